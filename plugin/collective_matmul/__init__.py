@@ -1,0 +1,23 @@
+"""Collective matmul for JAX: all-gather overlapped with the matmul.
+
+Public API:
+  dot_general, logical_dot_general: drop-in `lax.dot_general` overrides.
+  all_gather_matmul: the differentiable op, for use inside `shard_map`.
+  CollectiveMatmulConfig, get_config, set_config, config_context,
+  config_from_flags: what the override does.
+  Decision, decisions, clear_decisions, format_decisions: what it did.
+"""
+from collective_matmul.config import CollectiveMatmulConfig
+from collective_matmul.config import config_context
+from collective_matmul.config import get_config
+from collective_matmul.config import set_config
+from collective_matmul.flags import config_from_flags
+from collective_matmul.ops import all_gather_matmul
+from collective_matmul.override import Decision
+from collective_matmul.override import clear_decisions
+from collective_matmul.override import decisions
+from collective_matmul.override import dot_general
+from collective_matmul.override import format_decisions
+from collective_matmul.override import logical_dot_general
+
+__version__ = "0.1.0"

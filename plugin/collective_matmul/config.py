@@ -1,0 +1,82 @@
+"""The plugin's configuration: one frozen object, and the active one.
+
+The drop-in `dot_general` reads the *active* configuration at trace time (it is
+a property of the program being traced, like a mesh). Library users build a
+`CollectiveMatmulConfig` in code; absl users get one from `config_from_flags()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+IMPLEMENTATIONS = ("auto", "pallas", "ring", "baseline")
+FALLBACK_IMPLEMENTATIONS = ("ring", "baseline")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveMatmulConfig:
+  """What the drop-in `dot_general` does with the collective-matmul pattern.
+
+  Attributes:
+    enabled: rewrite detected patterns at all. Off: `dot_general` is exactly
+      `lax.dot_general`.
+    impl: `auto` (the Hopper kernel where it applies, else `fallback_impl`),
+      `pallas` (the Hopper kernel), `ring` (portable ppermute ring) or
+      `baseline` (all-gather, then one dot).
+    strict: a fallback (pattern found but not served as asked) raises
+      `ValueError` instead of being logged.
+    fallback_impl: what `auto`, or an unavailable `pallas`, falls back to.
+    bidirectional: the ring sends both ways round when the axis has more than
+      two devices, halving its sequential steps.
+  """
+
+  enabled: bool = False
+  impl: str = "auto"
+  strict: bool = False
+  fallback_impl: str = "ring"
+  bidirectional: bool = True
+
+  def __post_init__(self):
+    if self.impl not in IMPLEMENTATIONS:
+      raise ValueError(
+          f"impl={self.impl!r} is not one of {IMPLEMENTATIONS}")
+    if self.fallback_impl not in FALLBACK_IMPLEMENTATIONS:
+      raise ValueError(f"fallback_impl={self.fallback_impl!r} is not one of "
+                       f"{FALLBACK_IMPLEMENTATIONS}")
+
+
+_state = threading.local()
+_default = CollectiveMatmulConfig()
+
+
+def get_config() -> CollectiveMatmulConfig:
+  """The configuration the drop-in `dot_general` will use when traced now."""
+  stack = getattr(_state, "stack", None)
+  if stack:
+    return stack[-1]
+  return _default
+
+
+def set_config(config: CollectiveMatmulConfig) -> None:
+  """Sets the process-wide default configuration (e.g. from flags)."""
+  global _default
+  if not isinstance(config, CollectiveMatmulConfig):
+    raise TypeError(f"expected CollectiveMatmulConfig, got {type(config)}")
+  _default = config
+
+
+@contextlib.contextmanager
+def config_context(config: CollectiveMatmulConfig | None = None,
+                   **overrides) -> Iterator[CollectiveMatmulConfig]:
+  """Makes `config` (with `overrides` applied) active inside the block."""
+  config = dataclasses.replace(config or get_config(), **overrides)
+  stack = getattr(_state, "stack", None)
+  if stack is None:
+    stack = _state.stack = []
+  stack.append(config)
+  try:
+    yield config
+  finally:
+    stack.pop()

@@ -1,0 +1,31 @@
+"""absl flags for the plugin, defined once when the package is imported."""
+from __future__ import annotations
+
+from absl import flags
+
+from collective_matmul import config as config_lib
+
+_USE = flags.DEFINE_bool(
+    "use_collective_matmul", False,
+    "Rewrite all-gather-then-matmul patterns into a collective matmul.")
+_IMPL = flags.DEFINE_enum(
+    "collective_matmul_impl", "auto", list(config_lib.IMPLEMENTATIONS),
+    "auto: the Hopper Pallas kernel where it applies, else the portable ring; "
+    "pallas / ring / baseline force one implementation.")
+_STRICT = flags.DEFINE_bool(
+    "collective_matmul_strict", False,
+    "Raise instead of falling back when a detected pattern cannot be served.")
+
+
+def config_from_flags() -> config_lib.CollectiveMatmulConfig:
+  """The configuration the parsed absl flags ask for.
+
+  Raises:
+    RuntimeError: when absl flags have not been parsed yet.
+  """
+  if not flags.FLAGS.is_parsed():
+    raise RuntimeError(
+        "absl flags are not parsed yet: call config_from_flags() after "
+        "app.run() / FLAGS(argv), or build CollectiveMatmulConfig directly.")
+  return config_lib.CollectiveMatmulConfig(
+      enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value)

@@ -1,0 +1,268 @@
+"""All-gather-LHS matmul for Hopper in Pallas Mosaic GPU.
+
+`all_gather(lhs) @ rhs` over a mesh axis of D devices joined by NVLink, run
+inside `shard_map`. A ring: at step s device d multiplies shard (d + s) % D
+by its rhs columns while forwarding that shard to device d - 1, straight
+from the shared memory the matmul pipeline loaded it into (TMA copies to the
+peer's scratch buffer), with a semaphore per (step, row block) announcing
+arrival. Compared with the seed's design:
+
+* one persistent loop over the tiles of all D steps: no barrier of all
+  threads, no wait for every SM's signal and no tail wave between steps;
+  a tile waits only for its own row block;
+* a row block is forwarded by all its n-tiles, each sending a slice of k
+  first in its pipeline (`spread_sends`), and each sender signals as soon as
+  its slice has landed, so the next step's data arrives early.
+
+No NVLink multicast / multimem is used.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from collective_matmul.kernels import tuning
+
+AllGatherMatmulConfig = tuning.AllGatherMatmulConfig
+
+
+def _num_sms() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "num_cores", None):
+    return device.num_cores
+  return jax.devices()[0].core_count
+
+
+def _peer_id(axis_name, index):
+  """Device id of `index` along `axis_name`, other mesh coordinates kept."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if len(getattr(mesh, "axis_names", ())) > 1:
+    return {axis_name: index}
+  return index
+
+
+def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
+                 axis_size, config: AllGatherMatmulConfig, m_shard, k, n):
+  scratch_ref = maybe_scratch[0] if maybe_scratch else None
+  dtype = lhs_local_ref.dtype
+  out_dtype = out_ref.dtype
+  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+  cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
+  m_iters, n_iters, k_iters = m_shard // cta_tile_m, n // cta_tile_n, k // tile_k
+  per_sender, num_senders = tuning.send_plan(k_iters, n_iters,
+                                             config.spread_sends)
+  swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  out_transforms = (
+      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+      plgpu.SwizzleTransform(out_swizzle))
+  split_m = config.wg_dimension == "m"
+  ring = axis_size > 1
+
+  wg_idx = lax.axis_index("wg")
+  if ring:
+    dev = lax.axis_index(axis_name)
+    send_to = lax.rem(dev + axis_size - 1, axis_size)
+    peer_scratch = plgpu.remote_ref(scratch_ref, _peer_id(axis_name, send_to))
+    # arrived[s, i]: senders whose slice of row block i for step s + 1 landed.
+    arrived = pl.get_global(
+        plgpu.SemaphoreType.REGULAR((axis_size - 1, m_iters)))
+  else:
+    dev = 0
+
+  def make_pipeline(body, compute_context, k_offset):
+    rotate = lambda kk: lax.rem(kk + k_offset, k_iters)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, rotate(kk)),
+                            transforms=transforms, memory_space=plgpu.SMEM,
+                            delay_release=1),
+            plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (rotate(kk), 0),
+                            transforms=transforms, memory_space=plgpu.SMEM,
+                            delay_release=1),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+  allocs = make_pipeline(ignore, ignore, 0).get_allocations(
+      lhs_local_ref.at[pl.ds(0, cta_tile_m), :],
+      rhs_ref.at[:, pl.ds(0, cta_tile_n)])
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=allocs,
+      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype,
+                          transforms=out_transforms),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem):
+    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
+                   collective_axes="cluster_grid")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      step, in_step = tuning.tile_coordinates(linear, m_iters, n_iters)
+      m_idx, n_idx = plgpu.planar_snake(
+          in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
+          config.grid_tile_width)
+      source = tuning.source_device(dev, step, axis_size)
+      out_rows = pl.ds(source * m_shard + m_idx * cta_tile_m, cta_tile_m)
+      cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+      wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
+      wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
+      k_offset = tuning.k_rotation(n_idx, k_iters, per_sender)
+      if ring:
+        share = tuning.sender_share(n_idx, k_iters, per_sender)
+        forwards = (step < axis_size - 1) & (share > 0)
+        signal_at = jnp.minimum(share, k_iters - 1)
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...].astype(out_dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for mi in range(tile_m // epi_m):
+            for ni in range(tile_n // epi_n):
+              slot = (mi * (tile_n // epi_n) + ni) % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg_idx, slot] = acc[mi * epi_m:(mi + 1) * epi_m,
+                                           ni * epi_n:(ni + 1) * epi_n]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg_idx, slot],
+                  out_ref.at[out_rows, cta_n].at[wg_m, wg_n]
+                  .at[pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n)])
+
+      def mma_body(idxs, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        if ring:
+          (kk,) = idxs
+          k_block = lax.rem(kk + k_offset, k_iters)
+          sender = forwards & (wg_idx == 0)
+
+          @pl.when(sender & (kk < share))
+          def _forward():
+            plgpu.copy_smem_to_gmem(
+                a_smem,
+                peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
+                                pl.ds(k_block * tile_k, tile_k)])
+            # The slot is released one step later (delay_release=1): the
+            # previous copy must have finished reading it by then.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+          @pl.when(sender & (kk == signal_at))
+          def _announce():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            pl.semaphore_signal(arrived.at[step, m_idx],
+                                device_id=_peer_id(axis_name, send_to))
+        plgpu.wgmma_wait(1)
+        return acc_ref
+
+      def run_tile(a_ref):
+        make_pipeline(mma_body, compute_context, k_offset)(
+            a_ref.at[pl.ds(m_idx * cta_tile_m, cta_tile_m), :],
+            rhs_ref.at[:, cta_n],
+            allocations=pipeline_allocs)
+
+      if not ring:
+        run_tile(lhs_local_ref)
+        return
+
+      @pl.when(step == 0)
+      def _local():
+        run_tile(lhs_local_ref)
+
+      @pl.when(step > 0)
+      def _received():
+        pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+                          decrement=False)
+        run_tile(scratch_ref.at[step - 1])
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
+                          config: AllGatherMatmulConfig | None = None,
+                          out_dtype=None):
+  """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
+
+  Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
+  are zero-padded (rows, k, columns) and the padding sliced off.
+
+  Args:
+    lhs: local rows `[m, k]`, bf16 or f16.
+    rhs: local columns `[k, n]`, same dtype.
+    axis_name: mesh axis of the ring (its devices must be NVLink peers).
+    config: tiling; None picks one for the shape (`tuning.select_config`).
+    out_dtype: result dtype: lhs's (default) or float32.
+
+  Returns:
+    `[D * m, n]`, device blocks in axis-index order.
+  """
+  if lhs.ndim != 2 or rhs.ndim != 2:
+    raise ValueError(f"expected 2-D lhs and rhs, got {lhs.shape}, {rhs.shape}")
+  m, k = lhs.shape
+  k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(f"contraction sizes differ: lhs k={k}, rhs k={k2}")
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"dtypes differ: lhs {lhs.dtype}, rhs {rhs.dtype}")
+  if jnp.dtype(lhs.dtype).name not in tuning.KERNEL_DTYPES:
+    raise ValueError(f"dtype {lhs.dtype} is not supported (bf16 or f16)")
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if out_dtype not in (jnp.dtype(lhs.dtype), jnp.dtype(jnp.float32)):
+    raise ValueError(f"out_dtype {out_dtype} must be {lhs.dtype} or float32")
+  axis_size = lax.axis_size(axis_name)
+  if config is None:
+    config = tuning.select_config(m, k, n, lhs.dtype, axis_size)
+  smem = config.smem_bytes(jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
+  if smem > tuning.SMEM_BYTES:
+    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
+                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
+  pad = tuning.padding(config, m, k, n)
+  if pad.any:
+    lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
+    rhs = jnp.pad(rhs, ((0, pad.k), (0, pad.n)))
+  m_shard, k_pad = lhs.shape
+  n_pad = rhs.shape[1]
+  out_types = [jax.ShapeDtypeStruct((axis_size * m_shard, n_pad), out_dtype)]
+  if axis_size > 1:
+    # Receive buffer: slot s holds the shard used at ring step s + 1.
+    out_types.append(
+        jax.ShapeDtypeStruct((axis_size - 1, m_shard, k_pad), lhs.dtype))
+  kernel = plgpu.kernel(
+      functools.partial(_ring_kernel, axis_name=axis_name,
+                        axis_size=axis_size, config=config, m_shard=m_shard,
+                        k=k_pad, n=n_pad),
+      out_shape=out_types,
+      grid=(_num_sms(),),
+      grid_names=("cluster_grid",),
+      cluster=(1,),
+      cluster_names=("cluster",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  out = kernel(lhs, rhs)[0]
+  if pad.m or pad.n:
+    out = out.reshape(axis_size, m_shard, n_pad)[:, :m, :n]
+    out = out.reshape(axis_size * m, n)
+  return out

@@ -1,0 +1,253 @@
+"""Tile configurations and the kernel's schedule arithmetic, in pure Python.
+
+Nothing here imports Pallas, so config selection, applicability checks and
+the ring schedule are unit-tested on CPU and usable by the override to decide
+(identically on every process) whether the Hopper kernel applies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+HOPPER_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+KERNEL_DTYPES = ("bfloat16", "float16")
+SMEM_BYTES = 232_448  # Per-block shared memory on sm_90.
+SMEM_RESERVE = 1024  # Barriers and bookkeeping.
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherMatmulConfig:
+  """Tiling of the all-gather-LHS matmul kernel.
+
+  Attributes:
+    tile_m, tile_n, tile_k: one compute warpgroup's output tile and the k
+      step of the pipeline.
+    max_concurrent_steps: shared-memory pipeline depth (>= 2).
+    wg_dimension: "n" or "m": the two compute warpgroups split the CTA tile
+      along this dimension (so the CTA tile is 2x tile along it).
+    grid_minor_dim, grid_tile_width: order of output tiles within one ring
+      step (planar snake, for L2 reuse).
+    epi_tile_m, epi_tile_n: epilogue store granularity.
+    spread_sends: every n-tile of a row block forwards its own slice of k,
+      first thing in its pipeline, so a whole block reaches the next device
+      in a fraction of a tile's time (instead of only at the end of the
+      block's first tile).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  wg_dimension: str = "n"
+  grid_minor_dim: str = "m"
+  grid_tile_width: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  spread_sends: bool = True
+
+  def __post_init__(self):
+    for name in ("tile_m", "tile_n", "epi_tile_m", "epi_tile_n"):
+      value = getattr(self, name)
+      if value <= 0 or value % 64:
+        raise ValueError(f"{name}={value} must be a positive multiple of 64")
+    if self.tile_k not in (32, 64, 128):
+      raise ValueError(f"tile_k={self.tile_k} must be 32, 64 or 128")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(
+          f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+    for name in ("wg_dimension", "grid_minor_dim"):
+      if getattr(self, name) not in ("m", "n"):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be 'm' or 'n'")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      raise ValueError(
+          f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
+          f"tile {self.tile_m}x{self.tile_n}")
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (2 if self.wg_dimension == "m" else 1)
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.tile_n * (2 if self.wg_dimension == "n" else 1)
+
+  def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
+    """Shared memory the kernel allocates per block."""
+    pipeline = self.max_concurrent_steps * self.tile_k * (
+        self.cta_tile_m + self.cta_tile_n) * itemsize
+    epilogue = 2 * 2 * self.epi_tile_m * self.epi_tile_n * out_itemsize
+    return pipeline + epilogue + SMEM_RESERVE
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+  """How far each local dimension is padded to fit the tiles."""
+
+  m: int
+  k: int
+  n: int
+
+  @property
+  def any(self) -> bool:
+    return bool(self.m or self.k or self.n)
+
+
+def padding(config: AllGatherMatmulConfig, m: int, k: int, n: int) -> Padding:
+  up = lambda x, t: -x % t
+  return Padding(m=up(m, config.cta_tile_m), k=up(k, config.tile_k),
+                 n=up(n, config.cta_tile_n))
+
+
+def unsupported_reason(*, platform: str, device_kind: str, dtype, m: int,
+                       k: int, n: int, axis_size: int,
+                       out_dtype=None) -> str | None:
+  """Why the Hopper kernel cannot serve this problem, or None if it can.
+
+  Depends only on global facts (platform, device kind, dtype, per-shard
+  sizes), so every process answers the same.
+  """
+  if platform not in ("gpu", "cuda"):
+    return f"backend is {platform!r}, the kernel needs a CUDA GPU"
+  if not any(kind in device_kind for kind in HOPPER_DEVICE_KINDS):
+    return f"device {device_kind!r} is not a Hopper (sm_90a) GPU"
+  if np.dtype(dtype).name not in KERNEL_DTYPES:
+    return f"dtype {np.dtype(dtype).name} (kernel takes bf16 or f16)"
+  if out_dtype is not None and np.dtype(out_dtype).name not in (
+      np.dtype(dtype).name, "float32"):
+    return f"preferred_element_type {np.dtype(out_dtype).name}"
+  if min(m, k, n) <= 0:
+    return f"empty problem m={m} k={k} n={n}"
+  if axis_size < 1:
+    return f"axis size {axis_size}"
+  return None
+
+
+def _candidates():
+  for tile_m, tile_n, wg in ((128, 128, "n"), (128, 128, "m"),
+                             (128, 64, "n"), (64, 128, "n"), (64, 64, "n")):
+    yield AllGatherMatmulConfig(tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
+                                epi_tile_m=64, epi_tile_n=64)
+
+
+def select_config(m: int, k: int, n: int, dtype, axis_size: int,
+                  num_sms: int = 132) -> AllGatherMatmulConfig:
+  """A tile configuration for local shards `m x k` and `k x n`.
+
+  Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`), else
+  picks by a heuristic: the largest CTA tile that needs the least padding and
+  still gives every SM work across the ring.
+  """
+  cached = load_cached_config(m, k, n, dtype, axis_size)
+  if cached is not None:
+    return cached
+
+  def score(cfg: AllGatherMatmulConfig):
+    pad = padding(cfg, m, k, n)
+    waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
+    tiles = axis_size * ((m + pad.m) // cfg.cta_tile_m) * (
+        (n + pad.n) // cfg.cta_tile_n)
+    underfill = max(0.0, 1 - tiles / num_sms)
+    area = cfg.cta_tile_m * cfg.cta_tile_n
+    return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
+
+  return min(_candidates(), key=score)
+
+
+def cache_path() -> str:
+  return os.environ.get(
+      "COLLECTIVE_MATMUL_TUNING_CACHE",
+      os.path.join(os.path.expanduser("~"), ".cache", "collective_matmul",
+                   "tuning.json"))
+
+
+def cache_key(m, k, n, dtype, axis_size, device_kind=None) -> str:
+  kind = device_kind or _local_device_kind()
+  return f"{kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+
+
+def _local_device_kind() -> str:
+  import jax
+  return jax.devices()[0].device_kind
+
+
+def load_cached_config(m, k, n, dtype, axis_size, device_kind=None):
+  path = cache_path()
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      entry = json.load(f).get(cache_key(m, k, n, dtype, axis_size,
+                                         device_kind))
+  except (OSError, ValueError):
+    return None
+  return AllGatherMatmulConfig(**entry) if entry else None
+
+
+def store_cached_config(config: AllGatherMatmulConfig, m, k, n, dtype,
+                        axis_size, device_kind=None) -> str:
+  path = cache_path()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  table = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      table = json.load(f)
+  table[cache_key(m, k, n, dtype, axis_size, device_kind)] = config.to_json()
+  with open(path + ".tmp", "w") as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+# The ring schedule: the kernel traces these same functions on its scalars
+# (so they use only ops Mosaic GPU lowers); tests run them on CPU arrays.
+
+def tile_coordinates(linear, m_iters, n_iters):
+  """Linear tile index -> (ring step, tile index within the step).
+
+  Steps are outermost so every device works through step s before s + 1:
+  all waits point to strictly earlier tiles, so the ring cannot deadlock.
+  """
+  from jax import lax
+  per_step = m_iters * n_iters
+  return lax.div(linear, per_step), lax.rem(linear, per_step)
+
+
+def send_plan(k_iters: int, n_iters: int, spread: bool):
+  """(k blocks per sender, number of senders) for one row block.
+
+  With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
+  block is on its way after `per` pipeline steps instead of `k_iters`.
+  Without, n-tile 0 forwards all of them (the seed's scheme).
+  """
+  if not spread:
+    return k_iters, 1
+  per = math.ceil(k_iters / n_iters)
+  return per, math.ceil(k_iters / per)
+
+
+def sender_share(n_idx, k_iters: int, per: int):
+  """How many k blocks n-tile `n_idx` forwards (0 for non-senders)."""
+  import jax.numpy as jnp
+  return jnp.minimum(jnp.maximum(k_iters - n_idx * per, 0), per)
+
+
+def k_rotation(n_idx, k_iters: int, per: int):
+  """First k block of n-tile `n_idx`'s pipeline: its own share comes first."""
+  from jax import lax
+  return lax.rem(n_idx * per, k_iters)
+
+
+def source_device(device, step, axis_size):
+  """Whose shard device `device` multiplies at ring step `step`."""
+  from jax import lax
+  return lax.rem(device + step, axis_size)

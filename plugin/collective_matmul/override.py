@@ -1,0 +1,318 @@
+"""The drop-in `dot_general` and the record of what it decided.
+
+`dot_general` has `lax.dot_general`'s contract. When the active configuration
+enables the plugin and the operands form the all-gather pattern (see
+`patterns`), it runs `ops.all_gather_matmul` in a `shard_map` over the
+pattern's mesh axis; otherwise it *is* `lax.dot_general` (same result, same
+compiled program). Every call at trace time leaves a `Decision`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from typing import Sequence
+
+from absl import logging
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from collective_matmul import config as config_lib
+from collective_matmul import ops
+from collective_matmul import patterns
+from collective_matmul.kernels import tuning
+
+SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
+                                         jnp.float16, jnp.float64)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What the override did with one `dot_general` at trace time.
+
+  `rewritten` with `impl`, or not, with `reason` (also set when rewritten
+  with a fallback implementation, saying why).
+  """
+
+  name: str | None
+  rewritten: bool
+  impl: str | None
+  reason: str
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  dtype: str
+  axis: str | None = None
+  mode: str | None = None  # "explicit" or "logical" sharding information.
+
+  def __str__(self):
+    what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
+            else "left to XLA")
+    why = f" ({self.reason})" if self.reason else ""
+    return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
+            f"{self.dtype}: {what}{why}")
+
+
+_record_lock = threading.Lock()
+_decisions: list[Decision] = []
+
+
+def decisions() -> list[Decision]:
+  """Every decision since the last `clear_decisions()`, in trace order."""
+  with _record_lock:
+    return list(_decisions)
+
+
+def clear_decisions() -> None:
+  with _record_lock:
+    _decisions.clear()
+
+
+def format_decisions(records: Sequence[Decision] | None = None) -> str:
+  """A short human summary: one line per distinct decision, with counts."""
+  records = decisions() if records is None else records
+  counts: dict[str, int] = {}
+  for record in records:
+    counts[str(record)] = counts.get(str(record), 0) + 1
+  rewritten = sum(r.rewritten for r in records)
+  lines = [f"collective matmul: {rewritten} of {len(records)} dot_generals "
+           "rewritten"]
+  lines += [f"  {line}" + (f"  [x{n}]" if n > 1 else "")
+            for line, n in counts.items()]
+  return "\n".join(lines)
+
+
+def _record(decision: Decision, strict: bool, fallback: bool) -> None:
+  with _record_lock:
+    _decisions.append(decision)
+  if strict and fallback:
+    raise ValueError(f"collective matmul (strict): {decision}")
+  logging.info("collective matmul: %s", decision)
+
+
+def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+           out_sharding):
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         preferred_element_type=preferred_element_type,
+                         **kwargs)
+
+
+def _mesh_of(lhs, rhs, mode):
+  """The mesh the operands live on, or None."""
+  if mode == "explicit":
+    return jax.typeof(lhs).sharding.mesh
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
+def _explicit_specs(lhs, rhs):
+  lhs_sharding = getattr(jax.typeof(lhs), "sharding", None)
+  rhs_sharding = getattr(jax.typeof(rhs), "sharding", None)
+  if lhs_sharding is None or rhs_sharding is None:
+    return None
+  mesh = lhs_sharding.mesh
+  if mesh.empty or rhs_sharding.mesh != mesh:
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  if not any(t == explicit for t in mesh.axis_types):
+    return None
+  return (patterns.normalize_spec(lhs_sharding.spec, lhs.ndim),
+          patterns.normalize_spec(rhs_sharding.spec, rhs.ndim))
+
+
+def _logical_specs(lhs, rhs, lhs_axes, rhs_axes):
+  import flax.linen as nn  # Only logical-axis users need Flax.
+  for axes, array, name in ((lhs_axes, lhs, "lhs"), (rhs_axes, rhs, "rhs")):
+    if len(axes) != array.ndim:
+      raise ValueError(f"{name} logical axes {axes} do not match its "
+                       f"{array.ndim} dimensions {array.shape}")
+  return (patterns.normalize_spec(nn.logical_to_mesh_axes(lhs_axes), lhs.ndim),
+          patterns.normalize_spec(nn.logical_to_mesh_axes(rhs_axes), rhs.ndim))
+
+
+def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
+                 preferred_element_type):
+  """(impl, reason, is_fallback) for a matched pattern."""
+  if cfg.impl in ("ring", "baseline"):
+    return cfg.impl, "", False
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  k = math.prod(lhs.shape[d] for d in lhs_contract)
+  m = math.prod(lhs.shape) // k // match.axis_size
+  n = math.prod(rhs.shape) // k // match.axis_size
+  reason = tuning.unsupported_reason(
+      platform=_platform(mesh), device_kind=_device_kind(mesh),
+      dtype=lhs.dtype, m=m, k=k, n=n, axis_size=match.axis_size,
+      out_dtype=preferred_element_type)
+  if reason is None:
+    return "pallas", "", False
+  return (cfg.fallback_impl, f"pallas unavailable: {reason}",
+          cfg.impl == "pallas")
+
+
+def _platform(mesh) -> str:
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "platform", None):
+    return device.platform
+  return jax.default_backend()
+
+
+def _device_kind(mesh) -> str:
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "device_kind", None):
+    return device.device_kind
+  return jax.devices()[0].device_kind
+
+
+def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
+             preferred_element_type):
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
+  rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
+  gather_axis = lhs_free.index(match.lhs_gather_dim)
+
+  def body(lhs_block, rhs_block):
+    # Canonical form: x[free..., k] and w[k, n] (no-op transposes for Dense).
+    x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
+    x = x.reshape(x.shape[:len(lhs_free)] + (-1,))
+    w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
+    rhs_free_shape = w.shape[len(rhs_contract):]
+    w = w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1)
+    y = ops.all_gather_matmul(
+        x, w, match.axis, gather_axis=gather_axis, impl=impl,
+        bidirectional=cfg.bidirectional, precision=precision,
+        preferred_element_type=preferred_element_type)
+    return y.reshape(y.shape[:-1] + rhs_free_shape)
+
+  to_p = patterns.spec_to_partition_spec
+  return jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(to_p(match.lhs_spec), to_p(match.rhs_spec)),
+      out_specs=to_p(match.out_spec), check_vma=False)(lhs, rhs)
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None, *,
+                 lhs_axes=None, rhs_axes=None, name=None, config=None):
+  cfg = config or config_lib.get_config()
+  plain = functools.partial(_plain, lhs, rhs, dimension_numbers, precision,
+                            preferred_element_type, out_sharding)
+  if not cfg.enabled:
+    return plain()
+  lhs_shape, rhs_shape = tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs))
+  mode = "explicit" if lhs_axes is None else "logical"
+  dtype = jnp.result_type(lhs)
+  decide = functools.partial(
+      Decision, name=name, lhs_shape=lhs_shape, rhs_shape=rhs_shape,
+      dtype=str(dtype), mode=mode)
+
+  def left_to_xla(reason, fallback):
+    _record(decide(rewritten=False, impl=None, reason=reason), cfg.strict,
+            fallback)
+    return plain()
+
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  try:
+    specs = (_explicit_specs(lhs, rhs) if mode == "explicit" else
+             _logical_specs(lhs, rhs, lhs_axes, rhs_axes))
+  except ValueError as e:
+    return left_to_xla(f"sharding unreadable: {e}", fallback=True)
+  if specs is None:
+    return left_to_xla("operands carry no explicit sharding on a common "
+                       "Explicit mesh (use logical_dot_general for "
+                       "Auto-sharded models)", fallback=False)
+  mesh = _mesh_of(lhs, rhs, mode)
+  if mesh is None:
+    return left_to_xla("no mesh is set (use jax.set_mesh)", fallback=True)
+  manual = jax.sharding.AxisType.Manual
+  if any(t == manual for t in mesh.axis_types):
+    return left_to_xla("already inside shard_map (manual mesh axes)",
+                       fallback=False)
+  user_out = None
+  if out_sharding is not None:
+    spec = getattr(out_sharding, "spec", out_sharding)
+    try:
+      user_out = patterns.normalize_spec(
+          spec, lhs.ndim + rhs.ndim - 2 * len(dimension_numbers[0][0]))
+    except ValueError as e:
+      return left_to_xla(f"out_sharding unreadable: {e}", fallback=False)
+  match = patterns.match_all_gather_matmul(
+      lhs_shape, rhs_shape, dimension_numbers, *specs,
+      dict(zip(mesh.axis_names, mesh.axis_sizes)), user_out)
+  if isinstance(match, patterns.NoMatch):
+    return left_to_xla(match.reason, match.fallback)
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  if jnp.result_type(rhs) != dtype:
+    return left_to_xla(f"operand dtypes differ: lhs {dtype}, rhs "
+                       f"{jnp.result_type(rhs)}", fallback=True)
+  if dtype not in SUPPORTED_DTYPES:
+    return left_to_xla(f"unsupported dtype {dtype}", fallback=True)
+  lhs_k = tuple(lhs_shape[d] for d in lhs_contract)
+  rhs_k = tuple(rhs_shape[d] for d in rhs_contract)
+  if lhs_k != rhs_k:
+    return left_to_xla(f"contraction sizes differ: lhs {lhs_k}, rhs {rhs_k}",
+                       fallback=True)
+  impl, reason, is_fallback = _choose_impl(
+      cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
+  _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis),
+          cfg.strict, is_fallback)
+  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg,
+                 precision, preferred_element_type)
+  if out_sharding is not None and mode == "explicit":
+    out = jax.sharding.reshard(out, out_sharding)
+  return out
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None,
+                preferred_element_type=None, out_sharding=None, **kwargs):
+  """Drop-in `lax.dot_general` that overlaps the all-gather with the matmul.
+
+  Usable as `flax.linen.Dense(dot_general=...)`, `DenseGeneral` and
+  `flax.nnx.Linear(dot_general=...)`. Sharding is read from the operands'
+  types, so this form needs an Explicit mesh (`jax.set_mesh` with
+  `AxisType.Explicit`); for Auto-sharded models with logical axis names use
+  `logical_dot_general`.
+
+  Args:
+    lhs, rhs, dimension_numbers, precision, preferred_element_type,
+    out_sharding: as in `lax.dot_general`.
+    **kwargs: `config` (a `CollectiveMatmulConfig` instead of the active one)
+      and `name` (labels the decision record).
+  """
+  unknown = set(kwargs) - {"config", "name"}
+  if unknown:
+    raise TypeError(f"dot_general got unexpected arguments {sorted(unknown)}")
+  return _dot_general(lhs, rhs, dimension_numbers, precision,
+                      preferred_element_type, out_sharding, **kwargs)
+
+
+def logical_dot_general(lhs_axes: Sequence[str | None],
+                        rhs_axes: Sequence[str | None], *,
+                        name: str | None = None,
+                        config: config_lib.CollectiveMatmulConfig | None = None):
+  """A `dot_general` for Auto-sharded models that name their axes logically.
+
+  The operands' mesh axes are resolved from these logical axis names through
+  the active Flax logical axis rules (`nn.logical_axis_rules`) and the mesh
+  set with `jax.set_mesh`.
+
+  Args:
+    lhs_axes: logical names of the activation's dimensions, e.g.
+      `('activation_batch', 'activation_length', 'activation_embed')`.
+    rhs_axes: logical names of the kernel's dimensions, e.g.
+      `('embed', 'mlp')`.
+    name: labels this layer in the decision record.
+    config: use this configuration instead of the active one.
+  """
+  lhs_axes, rhs_axes = tuple(lhs_axes), tuple(rhs_axes)
+
+  def bound_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                        preferred_element_type=None, out_sharding=None):
+    return _dot_general(lhs, rhs, dimension_numbers, precision,
+                        preferred_element_type, out_sharding,
+                        lhs_axes=lhs_axes, rhs_axes=rhs_axes, name=name,
+                        config=config)
+
+  bound_dot_general.__name__ = f"logical_dot_general[{name or ''}]"
+  return bound_dot_general
