@@ -55,8 +55,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   m_iters, n_iters, k_iters = m_shard // cta_tile_m, n // cta_tile_n, k // tile_k
-  per_sender, num_senders = tuning.send_plan(k_iters, n_iters,
-                                             config.spread_sends)
+  per_sender, num_senders, send_gap = tuning.send_plan(
+      k_iters, n_iters, config.spread_sends, config.send_gap)
   swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                 plgpu.SwizzleTransform(swizzle))
@@ -79,8 +79,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   else:
     dev = 0
 
-  def make_pipeline(body, compute_context, k_offset):
-    rotate = lambda kk: lax.rem(kk + k_offset, k_iters)
+  def make_pipeline(body, compute_context, n_idx):
+    rotate = lambda kk: tuning.k_block(kk, n_idx, k_iters, per_sender,
+                                       send_gap)
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_iters,),
@@ -100,7 +101,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     )
 
   ignore = lambda *_, **__: None
-  allocs = make_pipeline(ignore, ignore, 0).get_allocations(
+  allocs = make_pipeline(ignore, ignore, jnp.int32(0)).get_allocations(
       lhs_local_ref.at[pl.ds(0, cta_tile_m), :],
       rhs_ref.at[:, pl.ds(0, cta_tile_n)])
 
@@ -125,11 +126,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
       wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
       wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
-      k_offset = tuning.k_rotation(n_idx, k_iters, per_sender)
       if ring:
         share = tuning.sender_share(n_idx, k_iters, per_sender)
         forwards = (step < axis_size - 1) & (share > 0)
-        signal_at = jnp.minimum(share, k_iters - 1)
+        last_send = tuning.last_send_step(n_idx, k_iters, per_sender,
+                                          send_gap)
+        # Announce once the last slice has had `send_gap` steps to land.
+        signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
@@ -154,10 +157,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
         if ring:
           (kk,) = idxs
-          k_block = lax.rem(kk + k_offset, k_iters)
+          k_block = tuning.k_block(kk, n_idx, k_iters, per_sender,
+                                   send_gap)
           sender = forwards & (wg_idx == 0)
+          sends_now = ((lax.rem(kk, send_gap) == 0)
+                       & (lax.div(kk, send_gap) < share))
 
-          @pl.when(sender & (kk < share))
+          @pl.when(sender & sends_now)
           def _forward():
             plgpu.copy_smem_to_gmem(
                 a_smem,
@@ -176,7 +182,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         return acc_ref
 
       def run_tile(a_ref):
-        make_pipeline(mma_body, compute_context, k_offset)(
+        make_pipeline(mma_body, compute_context, n_idx)(
             a_ref.at[pl.ds(m_idx * cta_tile_m, cta_tile_m), :],
             rhs_ref.at[:, cta_n],
             allocations=pipeline_allocs)
@@ -251,7 +257,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
                         k=k_pad, n=n_pad),
-      out_shape=out_types,
+      out_type=out_types,
       grid=(_num_sms(),),
       grid_names=("cluster_grid",),
       cluster=(1,),

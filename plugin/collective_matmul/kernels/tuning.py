@@ -37,6 +37,9 @@ class AllGatherMatmulConfig:
       first thing in its pipeline, so a whole block reaches the next device
       in a fraction of a tile's time (instead of only at the end of the
       block's first tile).
+    send_gap: pipeline steps between two sends of one tile. A send holds its
+      shared-memory slot until NVLink has read it; with every SM sending at
+      once, back-to-back sends would stall the pipeline on the link.
   """
 
   tile_m: int = 128
@@ -49,6 +52,7 @@ class AllGatherMatmulConfig:
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   spread_sends: bool = True
+  send_gap: int = 8
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "epi_tile_m", "epi_tile_n"):
@@ -63,6 +67,8 @@ class AllGatherMatmulConfig:
     for name in ("wg_dimension", "grid_minor_dim"):
       if getattr(self, name) not in ("m", "n"):
         raise ValueError(f"{name}={getattr(self, name)!r} must be 'm' or 'n'")
+    if self.send_gap < 1:
+      raise ValueError(f"send_gap={self.send_gap} must be >= 1")
     if self.grid_tile_width < 1:
       raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
@@ -145,7 +151,7 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
 
   Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`), else
   picks by a heuristic: the largest CTA tile that needs the least padding and
-  still gives every SM work across the ring.
+  still gives at least half the SMs work across the ring.
   """
   cached = load_cached_config(m, k, n, dtype, axis_size)
   if cached is not None:
@@ -156,7 +162,7 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
     waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
     tiles = axis_size * ((m + pad.m) // cfg.cta_tile_m) * (
         (n + pad.n) // cfg.cta_tile_n)
-    underfill = max(0.0, 1 - tiles / num_sms)
+    underfill = max(0.0, 1 - tiles / (num_sms / 2))
     area = cfg.cta_tile_m * cfg.cta_tile_n
     return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
 
@@ -222,17 +228,19 @@ def tile_coordinates(linear, m_iters, n_iters):
   return lax.div(linear, per_step), lax.rem(linear, per_step)
 
 
-def send_plan(k_iters: int, n_iters: int, spread: bool):
-  """(k blocks per sender, number of senders) for one row block.
+def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
+  """(k blocks per sender, number of senders, steps between sends).
 
   With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
   block is on its way after `per` pipeline steps instead of `k_iters`.
   Without, n-tile 0 forwards all of them (the seed's scheme).
   """
   if not spread:
-    return k_iters, 1
+    return k_iters, 1, 1
   per = math.ceil(k_iters / n_iters)
-  return per, math.ceil(k_iters / per)
+  # Every send must fall inside the pipeline: (per - 1) * gap < k_iters.
+  gap = max(1, min(gap, (k_iters - 1) // max(per - 1, 1)))
+  return per, math.ceil(k_iters / per), gap
 
 
 def sender_share(n_idx, k_iters: int, per: int):
@@ -241,10 +249,28 @@ def sender_share(n_idx, k_iters: int, per: int):
   return jnp.minimum(jnp.maximum(k_iters - n_idx * per, 0), per)
 
 
-def k_rotation(n_idx, k_iters: int, per: int):
-  """First k block of n-tile `n_idx`'s pipeline: its own share comes first."""
+def k_block(kk, n_idx, k_iters: int, per: int, gap: int):
+  """The k block a tile's pipeline loads at step `kk`: a permutation of k.
+
+  N-tile `n_idx` forwards the `share` blocks starting at `n_idx * per`; they
+  are placed at pipeline steps 0, gap, 2 * gap, ... (so the sends are paced
+  and the tile's own slice of the row block leaves early); the other blocks
+  fill the remaining steps in increasing order.
+  """
+  import jax.numpy as jnp
   from jax import lax
-  return lax.rem(n_idx * per, k_iters)
+  share = sender_share(n_idx, k_iters, per)
+  start = n_idx * per
+  in_share = (lax.rem(kk, gap) == 0) & (lax.div(kk, gap) < share)
+  shares_so_far = jnp.minimum(lax.div(kk, gap) + 1, share)
+  other = kk - shares_so_far
+  other = jnp.where(other < start, other, other + share)
+  return jnp.where(in_share, start + lax.div(kk, gap), other)
+
+
+def last_send_step(n_idx, k_iters: int, per: int, gap: int):
+  """Pipeline step of a tile's last send (negative when it sends nothing)."""
+  return (sender_share(n_idx, k_iters, per) - 1) * gap
 
 
 def source_device(device, step, axis_size):

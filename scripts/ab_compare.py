@@ -1,0 +1,80 @@
+r"""A/B: the same training run with the collective matmul off and on.
+
+  python scripts/ab_compare.py model_configs/base.yml model_name=tiny steps=10 \
+      ici_tensor_sequence_parallelism=4 --collective_matmul_impl=ring
+
+Same config arguments as train.py. Both arms start from one init and see the
+same batches; their steps are interleaved. Writes report.md (per-step loss
+difference, step-time median and spread with their ratio, rewritten layers),
+ab.json (the raw numbers and the command) and ab.png (loss curves, step-time
+distributions) to --output_dir (default benchmarks/ab/<tag>/). The collective
+arm uses the plugin's flags with `enabled` forced on.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Until the packages are installed (setup.py), use them from the checkout.
+for _package, _folder in (("reference_host", "host"),
+                          ("collective_matmul", "plugin")):
+  if importlib.util.find_spec(_package) is None:
+    sys.path.insert(0, os.path.join(REPO_ROOT, _folder))
+
+# Emulated CPU devices (see train.py): before JAX is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
+                                                                 ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+import jax
+
+import collective_matmul as cm
+from reference_host import ab as ab_lib
+from reference_host import config as config_lib
+
+_OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir", None, "Where the report goes; default benchmarks/ab/<tag>/.")
+_TAG = flags.DEFINE_string(
+    "tag", None, "Names the default output dir; default "
+    "<model>-<device>-<mesh>-<impl>.")
+_TOLERANCE = flags.DEFINE_float(
+    "relative_loss_tolerance", None,
+    "Largest per-step |loss diff| / |baseline loss| that passes; default by "
+    "dtype.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() first.")
+
+
+def main(argv: list[str]) -> int:
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  if len(argv) < 2:
+    print("usage: ab_compare.py <base.yml> [key=value ...] [--flags]",
+          file=sys.stderr)
+    return 2
+  try:
+    config = config_lib.load_config(argv[1:], num_devices=jax.device_count())
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+  result = ab_lib.run_ab(config, cm.config_from_flags(),
+                         relative_tolerance=_TOLERANCE.value,
+                         log=print if jax.process_index() == 0 else None)
+  if jax.process_index() == 0:
+    output_dir = _OUTPUT_DIR.value or os.path.join(
+        REPO_ROOT, "benchmarks", "ab", _TAG.value or ab_lib.default_tag(result))
+    paths = ab_lib.write_report(result, output_dir, command=command)
+    print(ab_lib.summary(result))
+    print("wrote " + ", ".join(paths.values()))
+  return 0 if result.losses_match else 1
+
+
+if __name__ == "__main__":
+  app.run(lambda argv: sys.exit(main(argv)))
