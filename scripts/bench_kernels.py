@@ -65,8 +65,12 @@ def kernel_time_us(f, *args, iterations=10):
     for name, ms in kernels:
       best[name] = min(ms, best.get(name, float("inf")))
     per_iter.append(sum(best.values()) * 1e3)
-  names = sorted({name for name, _ in timings[0]})
-  return out, statistics.median(per_iter), names
+  names = {}
+  for kernels in timings:
+    for name, ms in kernels:
+      names.setdefault(name, []).append(ms * 1e3)
+  breakdown = {name: round(statistics.median(v), 2) for name, v in names.items()}
+  return out, statistics.median(per_iter), breakdown
 
 
 def rel_error(out, ref):

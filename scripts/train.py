@@ -140,7 +140,7 @@ def _train(argv: list[str]) -> int:
   result = trainer.train(state, checkpointer=checkpointer, log=_log)
   if result.records:
     times = trainer_lib.summarize_step_times(result.step_times)
-    _log(f"done: {len(result.records)} steps from step {result.first_step}, "
+    _log(f"done: steps {result.first_step}..{result.records[-1].step}, "
          f"median step time {1e3 * times['median_s']:.1f} ms, final loss "
          f"{result.losses[-1]:.5f}")
   else:

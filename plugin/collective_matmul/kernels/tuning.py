@@ -48,11 +48,11 @@ class AllGatherMatmulConfig:
   max_concurrent_steps: int = 4
   wg_dimension: str = "n"
   grid_minor_dim: str = "m"
-  grid_tile_width: int = 4
+  grid_tile_width: int = 8
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   spread_sends: bool = True
-  send_gap: int = 8
+  send_gap: int = 16
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "epi_tile_m", "epi_tile_n"):

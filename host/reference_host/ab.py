@@ -1,0 +1,270 @@
+"""A/B harness: baseline (plugin off) against collective matmul (plugin on).
+
+Both arms start from the same initial parameters (one init, copied) and see
+the same batches; their steps are interleaved (A, B, A, B, ...) so slow drift
+of the machine (clocks, other load) hits both alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+from typing import Callable
+
+import jax
+
+import collective_matmul as cm
+
+from reference_host import config as config_lib
+from reference_host import trainer as trainer_lib
+
+# Largest per-step |loss difference| / |baseline loss| that still counts as
+# the same training run: float32 differs only by summation order; 16-bit
+# types round each partial product.
+DEFAULT_RELATIVE_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2,
+                                   "float16": 1e-2}
+
+
+@dataclasses.dataclass
+class ABResult:
+  config: config_lib.Config
+  collective_config: cm.CollectiveMatmulConfig
+  baseline: list[trainer_lib.StepRecord]
+  collective: list[trainer_lib.StepRecord]
+  decisions: list  # cm.Decision from tracing the collective arm's step
+  baseline_compile_s: float
+  collective_compile_s: float
+  relative_tolerance: float
+  mesh_shape: dict[str, int]
+  device_kind: str
+
+  @property
+  def loss_diffs(self) -> list[float]:
+    return [c.loss - b.loss for b, c in zip(self.baseline, self.collective)]
+
+  @property
+  def max_relative_loss_diff(self) -> float:
+    return max(abs(d) / max(abs(b.loss), 1e-12)
+               for d, b in zip(self.loss_diffs, self.baseline))
+
+  @property
+  def losses_match(self) -> bool:
+    return self.max_relative_loss_diff <= self.relative_tolerance
+
+  @property
+  def baseline_times(self) -> dict[str, float]:
+    return trainer_lib.summarize_step_times(
+        [r.step_time_s for r in self.baseline])
+
+  @property
+  def collective_times(self) -> dict[str, float]:
+    return trainer_lib.summarize_step_times(
+        [r.step_time_s for r in self.collective])
+
+  @property
+  def step_time_ratio(self) -> float:
+    """Collective median step time / baseline median (< 1: faster)."""
+    return self.collective_times["median_s"] / self.baseline_times["median_s"]
+
+  @property
+  def rewritten_layers(self) -> list[str]:
+    return sorted({d.name or "dot_general" for d in self.decisions
+                   if d.rewritten})
+
+
+def run_ab(config: config_lib.Config,
+           collective_config: cm.CollectiveMatmulConfig,
+           num_steps: int | None = None, *, devices=None,
+           relative_tolerance: float | None = None,
+           log: Callable[[str], None] | None = print) -> ABResult:
+  """Trains both arms for `num_steps` (default: config.steps) steps."""
+  collective_config = dataclasses.replace(collective_config, enabled=True)
+  baseline_config = dataclasses.replace(collective_config, enabled=False)
+  baseline = trainer_lib.Trainer(config, baseline_config, devices=devices)
+  collective = trainer_lib.Trainer(config, collective_config, devices=devices)
+  baseline.compile()
+  collective.compile()
+  if log:
+    log(f"compiled: baseline {baseline.compile_time_s:.1f} s, collective "
+        f"{collective.compile_time_s:.1f} s")
+    log(cm.format_decisions(collective.decisions))
+
+  baseline_state = baseline.init_state()
+  # The parameter tree does not depend on the flag, so one init serves both.
+  collective_state = jax.tree.map(lambda x: x.copy(), baseline_state)
+  steps = baseline.config.steps if num_steps is None else num_steps
+  baseline_records, collective_records = [], []
+  for step in range(steps):
+    baseline_state, b = baseline.run_step(baseline_state, step)
+    collective_state, c = collective.run_step(collective_state, step)
+    baseline_records.append(b)
+    collective_records.append(c)
+    if log and (step % baseline.config.log_period == 0 or step == steps - 1):
+      log(f"step {step:5d} | loss baseline {b.loss:.6f} collective "
+          f"{c.loss:.6f} (diff {c.loss - b.loss:+.2e}) | step time "
+          f"{1e3 * b.step_time_s:.1f} / {1e3 * c.step_time_s:.1f} ms")
+  if relative_tolerance is None:
+    relative_tolerance = DEFAULT_RELATIVE_LOSS_TOLERANCE[config.dtype]
+  return ABResult(
+      config=baseline.config, collective_config=collective_config,
+      baseline=baseline_records, collective=collective_records,
+      decisions=collective.decisions,
+      baseline_compile_s=baseline.compile_time_s,
+      collective_compile_s=collective.compile_time_s,
+      relative_tolerance=relative_tolerance,
+      mesh_shape=dict(baseline.mesh.shape),
+      device_kind=baseline.mesh.devices.flat[0].device_kind)
+
+
+def default_tag(result: ABResult) -> str:
+  mesh = "x".join(str(v) for v in result.mesh_shape.values())
+  platform_name = result.device_kind.replace(" ", "-").lower()
+  return (f"{result.config.model_name}-{platform_name}-{mesh}-"
+          f"{result.collective_config.impl}")
+
+
+def _summary_lines(result: ABResult) -> list[str]:
+  b, c = result.baseline_times, result.collective_times
+  verdict = "match" if result.losses_match else "DO NOT match"
+  return [
+      f"losses {verdict}: max |diff| / |baseline| = "
+      f"{result.max_relative_loss_diff:.2e} (tolerance "
+      f"{result.relative_tolerance:.0e}, {len(result.baseline)} steps)",
+      f"step time median baseline {1e3 * b['median_s']:.2f} ms "
+      f"(min {1e3 * b['min_s']:.2f}, max {1e3 * b['max_s']:.2f}, stdev "
+      f"{1e3 * b['stdev_s']:.2f}); collective {1e3 * c['median_s']:.2f} ms "
+      f"(min {1e3 * c['min_s']:.2f}, max {1e3 * c['max_s']:.2f}, stdev "
+      f"{1e3 * c['stdev_s']:.2f}); ratio collective/baseline "
+      f"{result.step_time_ratio:.3f} (first step left out)",
+  ]
+
+
+def summary(result: ABResult) -> str:
+  return "\n".join(_summary_lines(result))
+
+
+def to_json(result: ABResult, command: str | None) -> dict:
+  return {
+      "command": command,
+      "device_kind": result.device_kind,
+      "mesh_shape": result.mesh_shape,
+      "jax_version": jax.__version__,
+      "host": platform.node(),
+      "collective_config": dataclasses.asdict(result.collective_config),
+      "config": {k: v for k, v in result.config.to_dict().items()},
+      "baseline": [dataclasses.asdict(r) for r in result.baseline],
+      "collective": [dataclasses.asdict(r) for r in result.collective],
+      "baseline_compile_s": result.baseline_compile_s,
+      "collective_compile_s": result.collective_compile_s,
+      "step_time_ratio": result.step_time_ratio,
+      "baseline_step_times": result.baseline_times,
+      "collective_step_times": result.collective_times,
+      "max_relative_loss_diff": result.max_relative_loss_diff,
+      "relative_tolerance": result.relative_tolerance,
+      "losses_match": result.losses_match,
+      "decisions": [
+          {"name": d.name, "rewritten": d.rewritten, "impl": d.impl,
+           "reason": d.reason, "lhs_shape": list(d.lhs_shape),
+           "rhs_shape": list(d.rhs_shape), "dtype": str(d.dtype),
+           "axis": d.axis} for d in result.decisions],
+  }
+
+
+def _markdown(result: ABResult, command: str | None, png_name: str | None
+              ) -> str:
+  cfg = result.config
+  lines = [
+      f"# A/B: collective matmul ({result.collective_config.impl}) vs baseline",
+      "",
+  ]
+  if command:
+    lines += ["Command:", "", "```", command, "```", ""]
+  lines += [
+      f"- devices: {result.device_kind}, mesh "
+      + ", ".join(f"{k}={v}" for k, v in result.mesh_shape.items()),
+      f"- model: {cfg.model_name} (emb {cfg.emb_dim}, mlp {cfg.mlp_dim}, "
+      f"heads {cfg.num_query_heads}/{cfg.num_kv_heads}, layers "
+      f"{cfg.num_decoder_layers}, vocab {cfg.vocab_size}), dtype {cfg.dtype}",
+      f"- global batch {cfg.global_batch_size} x {cfg.max_target_length} "
+      f"tokens, {len(result.baseline)} steps, jax {jax.__version__}",
+      f"- compile: baseline {result.baseline_compile_s:.1f} s, collective "
+      f"{result.collective_compile_s:.1f} s",
+      "",
+      "## Summary",
+      "",
+      *[f"- {line}" for line in _summary_lines(result)],
+      "",
+      "## Layers",
+      "",
+      "```",
+      cm.format_decisions(result.decisions),
+      "```",
+      "",
+  ]
+  if png_name:
+    lines += [f"![loss and step time]({png_name})", ""]
+  lines += [
+      "## Per step",
+      "",
+      "| step | loss baseline | loss collective | diff | step time baseline (ms) "
+      "| step time collective (ms) |",
+      "|---:|---:|---:|---:|---:|---:|",
+  ]
+  for b, c in zip(result.baseline, result.collective):
+    lines.append(f"| {b.step} | {b.loss:.6f} | {c.loss:.6f} | "
+                 f"{c.loss - b.loss:+.2e} | {1e3 * b.step_time_s:.2f} | "
+                 f"{1e3 * c.step_time_s:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def _plot(result: ABResult, path: str) -> bool:
+  """Loss curves overlaid and step-time distributions; False without
+  matplotlib (an optional dependency)."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    logging.warning("matplotlib is not installed: no PNG written to %s", path)
+    return False
+  steps = [r.step for r in result.baseline]
+  fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  loss_ax.plot(steps, [r.loss for r in result.baseline], "o-",
+               label="baseline", alpha=0.8)
+  loss_ax.plot(steps, [r.loss for r in result.collective], "x--",
+               label=f"collective ({result.collective_config.impl})",
+               alpha=0.8)
+  loss_ax.set_xlabel("step")
+  loss_ax.set_ylabel("loss")
+  loss_ax.set_title("loss")
+  loss_ax.legend()
+  # The first step is left out of the distributions: it warms caches.
+  steady = slice(1, None) if len(steps) > 2 else slice(None)
+  time_ax.boxplot(
+      [[1e3 * r.step_time_s for r in result.baseline[steady]],
+       [1e3 * r.step_time_s for r in result.collective[steady]]],
+      tick_labels=["baseline", "collective"])
+  time_ax.set_ylabel("step time (ms)")
+  time_ax.set_title(f"step time (ratio {result.step_time_ratio:.3f})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def write_report(result: ABResult, output_dir: str,
+                 command: str | None = None) -> dict[str, str]:
+  """Writes report.md, ab.json and (with matplotlib) ab.png; returns paths."""
+  os.makedirs(output_dir, exist_ok=True)
+  paths = {"report": os.path.join(output_dir, "report.md"),
+           "json": os.path.join(output_dir, "ab.json")}
+  png_path = os.path.join(output_dir, "ab.png")
+  if _plot(result, png_path):
+    paths["png"] = png_path
+  with open(paths["report"], "w") as f:
+    f.write(_markdown(result, command, "ab.png" if "png" in paths else None))
+  with open(paths["json"], "w") as f:
+    json.dump(to_json(result, command), f, indent=1, default=str)
+  return paths

@@ -1,0 +1,242 @@
+"""A LLaMA-style decoder in flax.linen with MaxText's names and logical axes.
+
+Every dense layer takes the plugin's `logical_dot_general`, told the logical
+axes of its activation and kernel. With the plugin disabled that callable is
+`lax.dot_general`, so the parameters and the numbers do not depend on the flag.
+
+Shapes: B batch, S sequence, E embed, H query heads, K kv heads, D head_dim,
+M mlp, V vocab.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import collective_matmul as cm
+
+from reference_host import config as config_lib
+
+# Activations between blocks (and entering every projection): batch over
+# 'data', sequence over 'tensor' (sequence parallelism), embed replicated.
+BLOCK_ACTIVATION_AXES = ("activation_batch", "activation_length",
+                         "activation_embed")
+MLP_ACTIVATION_AXES = ("activation_batch", "activation_length",
+                       "activation_mlp")
+ATTENTION_AXES = ("activation_batch", "activation_length", "activation_heads",
+                  "activation_kv")
+# Attention output with heads and head_dim fused, entering the out projection.
+ATTENTION_OUTPUT_AXES = ("activation_batch", "activation_length",
+                         "activation_heads")
+
+_PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
+              "highest": lax.Precision.HIGHEST}
+
+
+def _dtype(name: str) -> Any:
+  return jnp.dtype(name)
+
+
+def _layer_name(module: nn.Module, child: str) -> str:
+  """'decoder/layers_0/mlp/wi_0': the parameter path, used as the layer's
+  label in the plugin's decision record."""
+  return "/".join((*module.scope.path, child))
+
+
+def _projection(parent: nn.Module, name: str, features: int,
+                lhs_axes: tuple[str, ...], kernel_axes: tuple[str, ...]
+                ) -> nn.Dense:
+  """A bias-free dense layer of `parent` whose kernel carries `kernel_axes`
+  and whose matmul goes through the plugin, told both operands' axes."""
+  cfg = parent.config
+  return nn.Dense(
+      features=features, use_bias=False,
+      dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.weight_dtype),
+      precision=_PRECISION[cfg.matmul_precision],
+      kernel_init=nn.with_logical_partitioning(
+          nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+          kernel_axes),
+      dot_general=cm.logical_dot_general(
+          lhs_axes, kernel_axes, name=_layer_name(parent, name)),
+      name=name)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square layer norm with a learned scale ('norm' axis)."""
+  epsilon: float
+  dtype: Any
+  weight_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param(
+        "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+        (x.shape[-1],), self.weight_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(
+        jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (normed * jnp.asarray(scale, jnp.float32)).astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, min_timescale: float,
+               max_timescale: float) -> jax.Array:
+  """Rotary position embedding on [B, S, heads, D] (halves rotated, as in
+  MaxText's RotaryEmbedding)."""
+  head_dim = x.shape[-1]
+  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  timescale = min_timescale * (max_timescale / min_timescale) ** fraction
+  angle = positions[:, :, None, None].astype(jnp.float32) / timescale
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate(
+      [first * cos - second * sin, second * cos + first * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Causal grouped-query self-attention with RoPE.
+
+  Projection kernels are 2-D with heads and head_dim fused ([E, H*D] and
+  [H*D, E]): `nn.DenseGeneral` reshapes a 2-D initial kernel into its final
+  shape, which a logically partitioned initialiser cannot survive under a
+  mesh. Sharding the fused dim over 'tensor' splits at head boundaries
+  because the head count divides the tensor axis (checked in config).
+  """
+  config: config_lib.Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    cfg = self.config
+    batch, length, _ = x.shape
+    head_dim, kv_heads = cfg.head_dim, cfg.num_kv_heads
+    q_features, kv_features = cfg.num_query_heads * head_dim, kv_heads * head_dim
+    query = _projection(self, "query", q_features, BLOCK_ACTIVATION_AXES,
+                        ("embed", "heads"))(x)
+    key = _projection(self, "key", kv_features, BLOCK_ACTIVATION_AXES,
+                      ("embed", "kv_heads"))(x)
+    value = _projection(self, "value", kv_features, BLOCK_ACTIVATION_AXES,
+                        ("embed", "kv_heads"))(x)
+    query = nn.with_logical_constraint(
+        query.reshape(batch, length, cfg.num_query_heads, head_dim),
+        ATTENTION_AXES)
+    key_value_axes = ("activation_batch", "activation_length",
+                      "activation_kv_heads", "activation_kv")
+    key = nn.with_logical_constraint(
+        key.reshape(batch, length, kv_heads, head_dim), key_value_axes)
+    value = nn.with_logical_constraint(
+        value.reshape(batch, length, kv_heads, head_dim), key_value_axes)
+
+    query = apply_rope(query, positions, cfg.rope_min_timescale,
+                       cfg.rope_max_timescale)
+    key = apply_rope(key, positions, cfg.rope_min_timescale,
+                     cfg.rope_max_timescale)
+
+    group = cfg.num_query_heads // kv_heads
+    # [B, S, K, G, D]: each kv head serves `group` consecutive query heads.
+    query = query.reshape(batch, length, kv_heads, group, head_dim)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key,
+                        preferred_element_type=jnp.float32)
+    logits = logits / jnp.sqrt(jnp.float32(head_dim))
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
+    attended = nn.with_logical_constraint(
+        attended.reshape(batch, length, q_features), ATTENTION_OUTPUT_AXES)
+    return _projection(self, "out", cfg.emb_dim, ATTENTION_OUTPUT_AXES,
+                       ("heads", "embed"))(attended)
+
+
+class MlpBlock(nn.Module):
+  """Gated SiLU MLP: wo(silu(wi_0 x) * wi_1 x), MaxText's layer names."""
+  config: config_lib.Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    gate = _projection(self, "wi_0", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
+                       ("embed", "mlp"))(x)
+    up = _projection(self, "wi_1", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
+                     ("embed", "mlp"))(x)
+    hidden = nn.silu(gate) * up
+    hidden = nn.with_logical_constraint(hidden, MLP_ACTIVATION_AXES)
+    return _projection(self, "wo", cfg.emb_dim, MLP_ACTIVATION_AXES,
+                       ("mlp", "embed"))(hidden)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm attention and MLP, each with a residual."""
+  config: config_lib.Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    cfg = self.config
+    norm = dict(epsilon=cfg.normalization_layer_epsilon,
+                dtype=_dtype(cfg.dtype), weight_dtype=_dtype(cfg.weight_dtype))
+    x = nn.with_logical_constraint(x, BLOCK_ACTIVATION_AXES)
+    h = RMSNorm(name="pre_self_attention_layer_norm", **norm)(x)
+    h = nn.with_logical_constraint(h, BLOCK_ACTIVATION_AXES)
+    x = x + Attention(cfg, name="self_attention")(h, positions)
+    x = nn.with_logical_constraint(x, BLOCK_ACTIVATION_AXES)
+    h = RMSNorm(name="post_self_attention_layer_norm", **norm)(x)
+    h = nn.with_logical_constraint(h, BLOCK_ACTIVATION_AXES)
+    x = x + MlpBlock(cfg, name="mlp")(h)
+    return nn.with_logical_constraint(x, BLOCK_ACTIVATION_AXES)
+
+
+class Transformer(nn.Module):
+  """Token ids [B, S] -> logits [B, S, V] (float32)."""
+  config: config_lib.Config
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    embedder = nn.Embed(
+        num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
+        dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.weight_dtype),
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+        name="token_embedder")
+    x = embedder(tokens).astype(_dtype(cfg.dtype))
+    x = nn.with_logical_constraint(x, BLOCK_ACTIVATION_AXES)
+    positions = jnp.broadcast_to(
+        jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    for i in range(cfg.num_decoder_layers):
+      x = DecoderLayer(cfg, name=f"layers_{i}")(x, positions)
+    x = RMSNorm(epsilon=cfg.normalization_layer_epsilon,
+                dtype=_dtype(cfg.dtype), weight_dtype=_dtype(cfg.weight_dtype),
+                name="decoder_norm")(x)
+    x = nn.with_logical_constraint(x, BLOCK_ACTIVATION_AXES)
+    logits_axes = ("activation_batch", "activation_length", "activation_vocab")
+    if cfg.logits_via_embedding:
+      logits = embedder.attend(x)
+    else:
+      logits = _projection(self, "logits_dense", cfg.vocab_size,
+                           BLOCK_ACTIVATION_AXES, ("embed", "vocab"))(x)
+    logits = nn.with_logical_constraint(logits, logits_axes)
+    return logits.astype(jnp.float32)
+
+
+def count_params(config: config_lib.Config) -> int:
+  """Parameters of the model `config` describes (for the MFU estimate)."""
+  e, m, v, d = config.emb_dim, config.mlp_dim, config.vocab_size, config.head_dim
+  attention = e * d * (2 * config.num_query_heads + 2 * config.num_kv_heads)
+  per_layer = attention + 3 * e * m + 2 * e
+  embedding = v * e * (1 if config.logits_via_embedding else 2)
+  return config.num_decoder_layers * per_layer + embedding + e
+
+
+def training_flops_per_token(config: config_lib.Config) -> float:
+  """Model FLOPs per trained token: 6 x matmul params (forward + backward)
+  plus causal attention scores (MaxText's calculate_tflops_training_per_device
+  counts the same terms)."""
+  e, m, d = config.emb_dim, config.mlp_dim, config.head_dim
+  layers, seq = config.num_decoder_layers, config.max_target_length
+  matmul_params = layers * (
+      e * d * (2 * config.num_query_heads + 2 * config.num_kv_heads)
+      + 3 * e * m) + e * config.vocab_size
+  attention = layers * 2 * 2 * seq * config.num_query_heads * d / 2  # causal
+  return 6.0 * matmul_params + 3.0 * attention

@@ -1,0 +1,287 @@
+"""The train loop: sharded init, one compiled train step, synthetic data,
+progress lines, checkpoints.
+
+The collective-matmul configuration is a property of the traced program: the
+step is lowered and compiled inside `cm.config_context(collective_config)`, and
+the plugin's decisions made during that trace are kept with the compiled step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import collective_matmul as cm
+
+from reference_host import checkpoint as checkpoint_lib
+from reference_host import config as config_lib
+from reference_host import mesh as mesh_lib
+from reference_host import model as model_lib
+
+# Dense bf16 peak per device, for the MFU estimate (datasheet numbers).
+PEAK_FLOPS_BY_DEVICE_KIND = {
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+TrainState = dict  # {"params": ..., "opt_state": ..., "step": int32 scalar}
+
+
+def synthetic_batch(config: config_lib.Config, step: int) -> np.ndarray:
+  """Global token batch [global_batch, max_target_length + 1] for `step`.
+
+  Each row is an arithmetic progression modulo the vocabulary with a random
+  start and stride, so the loss can fall (the model learns to infer the
+  stride from the context). A pure function of (data_shuffle_seed, step):
+  every process builds the same batch, and a resumed run sees the same data
+  as an uninterrupted one.
+  """
+  rng = np.random.default_rng([config.data_shuffle_seed, step])
+  batch, length = config.global_batch_size, config.max_target_length + 1
+  start = rng.integers(0, config.vocab_size, size=(batch, 1))
+  stride = rng.integers(1, min(config.vocab_size, 17), size=(batch, 1))
+  return ((start + stride * np.arange(length)) % config.vocab_size).astype(
+      np.int32)
+
+
+def peak_flops_per_device(device: jax.Device) -> float | None:
+  kind = getattr(device, "device_kind", "")
+  for prefix, peak in PEAK_FLOPS_BY_DEVICE_KIND.items():
+    if kind.startswith(prefix):
+      return peak
+  return None
+
+
+@dataclasses.dataclass
+class StepRecord:
+  step: int
+  loss: float
+  step_time_s: float
+  tokens_per_s: float
+  tflops_per_device: float
+  mfu: float | None
+
+
+@dataclasses.dataclass
+class TrainResult:
+  state: TrainState
+  records: list[StepRecord]
+  decisions: list  # cm.Decision, from the trace of the train step
+  compile_time_s: float
+  first_step: int  # the step training started from (> 0 after a resume)
+
+  @property
+  def losses(self) -> list[float]:
+    return [r.loss for r in self.records]
+
+  @property
+  def step_times(self) -> list[float]:
+    return [r.step_time_s for r in self.records]
+
+
+def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
+  if config.warmup_steps > 0:
+    learning_rate = optax.linear_schedule(0.0, config.learning_rate,
+                                          config.warmup_steps)
+  else:
+    learning_rate = config.learning_rate
+  chain = []
+  if config.gradient_clipping_threshold > 0:
+    chain.append(optax.clip_by_global_norm(config.gradient_clipping_threshold))
+  chain.append(optax.adamw(learning_rate, b1=config.adam_b1, b2=config.adam_b2,
+                           eps=config.adam_eps,
+                           weight_decay=config.adam_weight_decay))
+  return optax.chain(*chain)
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return jnp.mean(losses)
+
+
+class Trainer:
+  """Owns the mesh, the model, the state's shardings and the compiled step.
+
+  Args:
+    config: a loaded config (resolved for the mesh's devices here).
+    collective_config: the plugin configuration the step is traced with;
+      default: the plugin's active one (`cm.get_config()`, set from flags).
+    devices: the mesh's devices; default: all of them.
+  """
+
+  def __init__(self, config: config_lib.Config,
+               collective_config: cm.CollectiveMatmulConfig | None = None,
+               devices=None):
+    devices = list(jax.devices() if devices is None else devices)
+    self.config = config_lib.resolve_for_devices(config, len(devices))
+    self.collective_config = collective_config or cm.get_config()
+    self.mesh = mesh_lib.create_mesh(self.config, devices)
+    self.rules = mesh_lib.logical_axis_rules(self.config)
+    self.model = model_lib.Transformer(self.config)
+    self.optimizer = make_optimizer(self.config)
+    self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data", None))
+    self._compiled_step = None
+    self.decisions: list = []
+    self.compile_time_s = 0.0
+    self.state_shardings, self.abstract_state = self._state_layout()
+
+  @contextlib.contextmanager
+  def _contexts(self):
+    """The mesh, the logical rules and the plugin config, for tracing."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules), \
+        cm.config_context(self.collective_config):
+      yield
+
+  def _boxed_state(self, rng: jax.Array) -> dict[str, Any]:
+    tokens = jnp.zeros((self.config.global_batch_size,
+                        self.config.max_target_length), jnp.int32)
+    params = self.model.init(rng, tokens)["params"]
+    # tx.init maps over the boxed params, so the optimizer moments carry the
+    # same logical partitioning as the parameters they track.
+    return {"params": params, "opt_state": self.optimizer.init(params),
+            "step": jnp.zeros((), jnp.int32)}
+
+  def _state_layout(self):
+    with self._contexts():
+      boxed = jax.eval_shape(self._boxed_state, jax.random.key(0))
+    logical_specs = nn.get_partition_spec(boxed)
+    shardings = nn.logical_to_mesh_sharding(logical_specs, self.mesh,
+                                            self.rules)
+    unboxed = nn.meta.unbox(boxed)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        unboxed, shardings)
+    return shardings, abstract
+
+  def logical_param_specs(self):
+    """Each parameter's logical axis names (checkpoint compatibility)."""
+    with self._contexts():
+      boxed = jax.eval_shape(self._boxed_state, jax.random.key(0))
+    return nn.get_partition_spec(boxed["params"])
+
+  def init_state(self) -> TrainState:
+    """Parameters from `init_weights_seed`, created sharded."""
+    init = jax.jit(lambda rng: nn.meta.unbox(self._boxed_state(rng)),
+                   out_shardings=self.state_shardings)
+    with self._contexts():
+      return init(jax.random.key(self.config.init_weights_seed))
+
+  def _train_step(self, state: TrainState, batch: jax.Array):
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+    def loss_fn(params):
+      logits = self.model.apply({"params": params}, inputs)
+      return cross_entropy_loss(logits, targets)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt_state = self.optimizer.update(grads, state["opt_state"],
+                                               state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new_state = {"params": params, "opt_state": opt_state,
+                 "step": state["step"] + 1}
+    return new_state, loss
+
+  def compile(self):
+    """Lowers and compiles the step under the plugin config; records the
+    plugin's decisions from that trace."""
+    if self._compiled_step is not None:
+      return self._compiled_step
+    batch_shape = jax.ShapeDtypeStruct(
+        (self.config.global_batch_size, self.config.max_target_length + 1),
+        jnp.int32, sharding=self.batch_sharding)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    step_fn = jax.jit(self._train_step,
+                      in_shardings=(self.state_shardings, self.batch_sharding),
+                      out_shardings=(self.state_shardings, replicated),
+                      donate_argnums=(0,))
+    start = time.perf_counter()
+    with self._contexts():
+      cm.clear_decisions()
+      lowered = step_fn.lower(self.abstract_state, batch_shape)
+      self.decisions = cm.decisions()
+      self._compiled_step = lowered.compile()
+    self.compile_time_s = time.perf_counter() - start
+    return self._compiled_step
+
+  def global_batch(self, step: int) -> jax.Array:
+    host_batch = synthetic_batch(self.config, step)
+    return jax.make_array_from_callback(
+        host_batch.shape, self.batch_sharding, lambda index: host_batch[index])
+
+  def run_step(self, state: TrainState, step: int
+               ) -> tuple[TrainState, StepRecord]:
+    """One compiled step on the batch for `step`, timed to completion."""
+    compiled = self.compile()
+    batch = self.global_batch(step)
+    start = time.perf_counter()
+    state, loss = compiled(state, batch)
+    loss = float(jax.device_get(loss))  # waits for the step to finish
+    elapsed = time.perf_counter() - start
+    tokens = self.config.global_batch_size * self.config.max_target_length
+    tflops = (model_lib.training_flops_per_token(self.config) * tokens
+              / elapsed / self.mesh.size / 1e12)
+    peak = peak_flops_per_device(self.mesh.devices.flat[0])
+    return state, StepRecord(
+        step=step, loss=loss, step_time_s=elapsed,
+        tokens_per_s=tokens / elapsed, tflops_per_device=tflops,
+        mfu=(tflops * 1e12 / peak) if peak else None)
+
+  def train(self, state: TrainState, num_steps: int | None = None, *,
+            checkpointer: checkpoint_lib.Checkpointer | None = None, log: Callable[[str], None] | None = print
+            ) -> TrainResult:
+    """Runs from `state["step"]` until `num_steps` (default: config.steps)
+    steps are done in total, saving through `checkpointer` when given."""
+    self.compile()
+    last_step = self.config.steps if num_steps is None else num_steps
+    first_step = int(jax.device_get(state["step"]))
+    records = []
+    for step in range(first_step, last_step):
+      state, record = self.run_step(state, step)
+      records.append(record)
+      if log and (step % self.config.log_period == 0 or step == last_step - 1):
+        log(format_progress(record))
+      if checkpointer is not None:
+        checkpointer.save(step + 1, state, last=(step == last_step - 1))
+    if checkpointer is not None:
+      checkpointer.wait_until_finished()
+    return TrainResult(state=state, records=records, decisions=self.decisions,
+                       compile_time_s=self.compile_time_s,
+                       first_step=first_step)
+
+  def restore_or_init(self, checkpointer: checkpoint_lib.Checkpointer
+                      ) -> tuple[TrainState, int | None]:
+    """(state, step) of the latest checkpoint, else (fresh init, None)."""
+    step, state = checkpointer.restore_latest(self.abstract_state)
+    if state is None:
+      return self.init_state(), None
+    return state, step
+
+
+def format_progress(record: StepRecord) -> str:
+  mfu = f"{100 * record.mfu:.1f}%" if record.mfu is not None else "n/a"
+  return (f"step {record.step:5d} | loss {record.loss:.5f} | "
+          f"step time {1e3 * record.step_time_s:8.1f} ms | "
+          f"{record.tokens_per_s:10.0f} tokens/s | "
+          f"{record.tflops_per_device:.3g} TFLOP/s/device | MFU {mfu}")
+
+
+def summarize_step_times(times: list[float]) -> dict[str, float]:
+  """Median and spread, leaving out the first step (it warms caches)."""
+  steady = times[1:] if len(times) > 2 else times
+  return {
+      "median_s": statistics.median(steady),
+      "min_s": min(steady),
+      "max_s": max(steady),
+      "stdev_s": statistics.stdev(steady) if len(steady) > 1 else 0.0,
+      "count": len(steady),
+  }

@@ -1,0 +1,38 @@
+"""One process per GPU (jax.distributed): the kernel over 2 processes."""
+import functools
+import os
+
+import jax
+
+jax.distributed.initialize("localhost:12731", num_processes=2,
+                           process_id=int(os.environ["RANK"]))
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+
+import collective_matmul as cm
+
+mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+m, k, n = 512, 2048, 1024
+rng = np.random.default_rng(0)
+a_full = rng.standard_normal((2 * m, k)).astype(np.float32)
+b_full = rng.standard_normal((k, 2 * n)).astype(np.float32)
+with jax.set_mesh(mesh):
+  a = multihost_utils.host_local_array_to_global_array(
+      jnp.asarray(a_full[jax.process_index() * m:][:m], jnp.bfloat16), mesh,
+      P("x", None))
+  b = multihost_utils.host_local_array_to_global_array(
+      jnp.asarray(b_full[:, jax.process_index() * n:][:, :n], jnp.bfloat16),
+      mesh, P(None, "x"))
+  f = jax.jit(jax.shard_map(
+      functools.partial(cm.all_gather_matmul, axis_name="x", impl="pallas"),
+      out_specs=P(None, "x"), check_vma=False))
+  out = f(a, b)
+  local = np.asarray(out.addressable_shards[0].data, np.float32)
+  i = jax.process_index()
+  ref = (a_full.astype(jnp.bfloat16).astype(np.float32)
+         @ b_full[:, i * n:(i + 1) * n].astype(jnp.bfloat16).astype(np.float32))
+  err = np.linalg.norm(local - ref) / np.linalg.norm(ref)
+  assert err < 1e-2, err
+  print("OK rel_err", err, flush=True)

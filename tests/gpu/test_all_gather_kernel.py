@@ -1,0 +1,147 @@
+"""The Hopper kernel against an f32 reference and the portable ring."""
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import collective_matmul as cm
+from collective_matmul import kernels
+
+from gpu_env import HOPPER_COUNT
+
+CONFIGS = [
+    None,  # Chosen by select_config.
+    kernels.AllGatherMatmulConfig(spread_sends=False),
+    kernels.AllGatherMatmulConfig(tile_m=128, tile_n=128, wg_dimension="m",
+                                  send_gap=4),
+    kernels.AllGatherMatmulConfig(tile_m=64, tile_n=128, grid_minor_dim="n",
+                                  grid_tile_width=2),
+]
+
+
+def _mesh(d):
+  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _poison(nbytes):
+  """Leave NaN in freed device memory, so an unwritten output shows up."""
+  for dev in jax.local_devices():
+    junk = jax.device_put(jnp.full((nbytes // 4 + 4096,), jnp.nan), dev)
+    junk.block_until_ready()
+    del junk
+
+
+def _run(impl, a, b, config=None, out_dtype=None):
+  f = jax.jit(jax.shard_map(
+      functools.partial(cm.all_gather_matmul, axis_name="x", impl=impl,
+                        kernel_config=config,
+                        preferred_element_type=out_dtype),
+      out_specs=P(None, "x"), check_vma=False))
+  return f(a, b)
+
+
+def _rel(out, ref):
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
+  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (1000, 1024, 512),
+                                   (256, 512, 384), (384, 2048, 1024)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_matches_f32_reference_and_ring(d, m, k, n, dtype):
+  if d > HOPPER_COUNT:
+    pytest.skip(f"needs {d} GPUs")
+  key = jax.random.key(m * 7 + n + d)
+  with jax.set_mesh(_mesh(d)):
+    a = jax.random.normal(key, (d * m, k), dtype)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (k, d * n), dtype)
+    a = jax.sharding.reshard(a, P("x", None))
+    b = jax.sharding.reshard(b, P(None, "x"))
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    _poison(d * m * n * 4)
+    out = _run("pallas", a, b)
+    assert out.shape == (d * m, d * n)
+    assert _rel(out, ref) < 1e-2
+    ring = _run("ring", a, b)
+    assert _rel(out, np.asarray(ring, np.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_every_config_is_exact_and_repeatable(config):
+  d = min(2, HOPPER_COUNT)
+  m, k, n = 512, 2048, 1024
+  with jax.set_mesh(_mesh(d)):
+    a = jax.sharding.reshard(
+        jax.random.normal(jax.random.key(3), (d * m, k), jnp.bfloat16),
+        P("x", None))
+    b = jax.sharding.reshard(
+        jax.random.normal(jax.random.key(4), (k, d * n), jnp.bfloat16),
+        P(None, "x"))
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    first = None
+    for _ in range(5):  # A result that changes between runs is a race.
+      _poison(d * m * n * 4)
+      out = np.asarray(_run("pallas", a, b, config), np.float32)
+      assert _rel(out, ref) < 1e-2
+      if first is None:
+        first = out
+      np.testing.assert_array_equal(out, first)
+
+
+def test_float32_output():
+  d = min(2, HOPPER_COUNT)
+  with jax.set_mesh(_mesh(d)):
+    a = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(5), (d * 256, 1024), jnp.bfloat16), P("x", None))
+    b = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(6), (1024, d * 256), jnp.bfloat16), P(None, "x"))
+    out = _run("pallas", a, b, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    assert _rel(out, ref) < 1e-3
+
+
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+def test_override_picks_pallas_on_hopper_and_matches_baseline():
+  d = 2
+  with jax.set_mesh(_mesh(d)):
+    x = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(7), (2, d * 128, 512), jnp.bfloat16),
+        P(None, "x", None))
+    w = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(8), (512, d * 256), jnp.bfloat16), P(None, "x"))
+    cm.clear_decisions()
+    with cm.config_context(enabled=True, impl="auto", strict=True):
+      out = jax.jit(lambda x, w: cm.dot_general(
+          x, w, (((2,), (0,)), ((), ()))))(x, w)
+    (decision,) = cm.decisions()
+    assert decision.rewritten and decision.impl == "pallas", decision
+    ref = np.einsum("bsk,kn->bsn", np.asarray(x, np.float32),
+                    np.asarray(w, np.float32))
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+def test_one_process_per_gpu():
+  script = os.path.join(os.path.dirname(__file__), "multiprocess_check.py")
+  procs = []
+  for rank in range(2):
+    # This process already holds most of each GPU's memory.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank), RANK=str(rank),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    procs.append(subprocess.Popen([sys.executable, script], env=env,
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  outs = [p.communicate(timeout=240)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+    assert "OK rel_err" in out, out[-3000:]

@@ -1,0 +1,36 @@
+"""The A/B harness trains both arms and writes its report."""
+import json
+import os
+
+import numpy as np
+
+import collective_matmul as cm
+from reference_host import ab as ab_lib
+from reference_host import config as config_lib
+
+from host_test_utils import BASE_CONFIG, TEST_MODEL_ARGS
+
+STEPS = 3
+
+
+def test_ab_writes_report_json_and_png(tmp_path, rng):
+  config = config_lib.load_config(
+      [BASE_CONFIG, *TEST_MODEL_ARGS, "ici_tensor_sequence_parallelism=2",
+       f"steps={STEPS}", f"init_weights_seed={int(rng.integers(1 << 30))}"])
+  result = ab_lib.run_ab(config, cm.CollectiveMatmulConfig(impl="ring"),
+                         log=None)
+  paths = ab_lib.write_report(result, str(tmp_path), command="pytest")
+
+  assert result.losses_match, result.loss_diffs
+  np.testing.assert_allclose([r.loss for r in result.collective],
+                             [r.loss for r in result.baseline], rtol=1e-4)
+  assert "layers_0/mlp/wi_0" in result.rewritten_layers
+  with open(paths["report"]) as f:
+    report = f.read()
+  assert "layers_0/mlp/wi_0" in report
+  assert f"{result.step_time_ratio:.3f}" in report
+  with open(paths["json"]) as f:
+    raw = json.load(f)
+  assert len(raw["baseline"]) == len(raw["collective"]) == STEPS
+  assert raw["command"] == "pytest"
+  assert os.path.getsize(paths["png"]) > 0
