@@ -2,7 +2,8 @@
 
 Public API:
   dot_general, logical_dot_general: drop-in `lax.dot_general` overrides.
-  all_gather_matmul: the differentiable op, for use inside `shard_map`.
+  all_gather_matmul, matmul_reduce_scatter: the differentiable ops, for use
+    inside `shard_map`.
   CollectiveMatmulConfig, get_config, set_config, config_context,
   config_from_flags: what the override does.
   Decision, decisions, clear_decisions, format_decisions: what it did.
@@ -13,6 +14,7 @@ from collective_matmul.config import get_config
 from collective_matmul.config import set_config
 from collective_matmul.flags import config_from_flags
 from collective_matmul.ops import all_gather_matmul
+from collective_matmul.ops import matmul_reduce_scatter
 from collective_matmul.override import Decision
 from collective_matmul.override import clear_decisions
 from collective_matmul.override import decisions

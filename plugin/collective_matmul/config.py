@@ -30,6 +30,10 @@ class CollectiveMatmulConfig:
     fallback_impl: what `auto`, or an unavailable `pallas`, falls back to.
     bidirectional: the ring sends both ways round when the axis has more than
       two devices, halving its sequential steps.
+    save_gathered: memory policy for the weight gradients. True: keep the
+      operand a collective matmul gathers (the all-gather pattern's
+      activation, from forward to backward: D x its memory) so dw needs no
+      second all-gather; False: gather again in the backward (time).
   """
 
   enabled: bool = False
@@ -37,6 +41,7 @@ class CollectiveMatmulConfig:
   strict: bool = False
   fallback_impl: str = "ring"
   bidirectional: bool = True
+  save_gathered: bool = False
 
   def __post_init__(self):
     if self.impl not in IMPLEMENTATIONS:

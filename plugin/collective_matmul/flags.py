@@ -16,6 +16,11 @@ _STRICT = flags.DEFINE_bool(
     "collective_matmul_strict", False,
     "Raise instead of falling back when a detected pattern cannot be served.")
 
+_SAVE_GATHERED = flags.DEFINE_bool(
+    "collective_matmul_save_gathered", False,
+    "Keep the gathered activations from the forward for the weight gradient "
+    "(D x their memory) instead of all-gathering them again in the backward.")
+
 
 def config_from_flags() -> config_lib.CollectiveMatmulConfig:
   """The configuration the parsed absl flags ask for.
@@ -28,4 +33,5 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
         "absl flags are not parsed yet: call config_from_flags() after "
         "app.run() / FLAGS(argv), or build CollectiveMatmulConfig directly.")
   return config_lib.CollectiveMatmulConfig(
-      enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value)
+      enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
+      save_gathered=_SAVE_GATHERED.value)

@@ -4,6 +4,14 @@ Call these inside `shard_map` (over at least `axis_name`). The implementation
 is chosen by the `impl` argument, never from global state: `pallas` (the
 Hopper kernel), `ring` (portable `ppermute` ring) or `baseline` (the XLA
 collective, then one dot).
+
+The two collectives are each other's transpose, so each one's backward runs
+the other with the same `impl`: for y = all_gather(x) @ w,
+dx = reduce_scatter(dy @ w.T); for y = reduce_scatter(x @ w),
+dx = all_gather(dy) @ w.T. Both weight gradients need a gathered operand
+(all_gather(x).T @ dy and x.T @ all_gather(dy)); `save_gathered` says whether
+the one the collective matmul already assembled is kept for that (memory) or
+gathered again (time).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import jax.numpy as jnp
 from collective_matmul import ring
 
 ALL_GATHER_IMPLS = ("pallas", "ring", "baseline")
+REDUCE_SCATTER_IMPLS = ALL_GATHER_IMPLS
 
 
 def _check_all_gather_operands(x, w, gather_axis, impl):
@@ -51,30 +60,153 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, precision,
   return jnp.moveaxis(out, 0, gather_axis)
 
 
+def _check_reduce_scatter_operands(x, w, scatter_axis, impl):
+  if impl not in REDUCE_SCATTER_IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {REDUCE_SCATTER_IMPLS}")
+  if x.ndim < 2 or w.ndim != 2:
+    raise ValueError(f"expected x[..., k] with ndim >= 2 and w[k, n], got "
+                     f"x{x.shape} and w{w.shape}")
+  if x.shape[-1] != w.shape[0]:
+    raise ValueError(f"contraction sizes differ: x{x.shape} has k="
+                     f"{x.shape[-1]}, w{w.shape} has k={w.shape[0]}")
+  if not 0 <= scatter_axis < x.ndim - 1:
+    raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
+                     f"{x.ndim - 1} leading dimensions of x{x.shape}")
+
+
+def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, precision,
+                                  preferred_element_type, kernel_config):
+  # Scattered dimension first: row block d of the result is then a
+  # contiguous block of rows of the 2-D problem.
+  from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
+  del precision  # bf16/f16 operands always accumulate in f32 on the MMA unit.
+  kernel = getattr(kernels, "matmul_reduce_scatter", None)
+  if kernel is None:
+    raise NotImplementedError(
+        "impl='pallas' for matmul_reduce_scatter needs "
+        "collective_matmul.kernels.matmul_reduce_scatter, which this build "
+        "does not have; use impl='ring' or 'baseline'")
+  axis_size = lax.axis_size(axis_name)
+  if x.shape[scatter_axis] % axis_size:
+    raise ValueError(
+        f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
+        f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
+        f"over {axis_name!r}")
+  moved = jnp.moveaxis(x, scatter_axis, 0)
+  lead_shape = moved.shape[:-1]
+  x2d = moved.reshape(math.prod(lead_shape), x.shape[-1])
+  out2d = kernel(x2d, w, axis_name, config=kernel_config,
+                 out_dtype=preferred_element_type)
+  out = out2d.reshape((lead_shape[0] // axis_size,) + lead_shape[1:]
+                      + (w.shape[1],))
+  return jnp.moveaxis(out, 0, scatter_axis)
+
+
+_KERNEL_NAMES = {"all_gather": "all_gather_lhs_matmul",
+                 "reduce_scatter": "matmul_reduce_scatter"}
+
+
+def backward_impl(impl: str, collective: str, dtype) -> str:
+  """The implementation a backward pass uses for `collective` on `dtype`.
+
+  The forward's, except that `pallas` becomes `ring` where the Hopper kernel
+  for that collective does not exist (yet) or does not take `dtype` (an f32
+  cotangent of an op asked for f32 results): the backward of a kernel-served
+  op must not fail for want of the other kernel.
+
+  Args:
+    impl: the forward's implementation.
+    collective: "all_gather" or "reduce_scatter".
+    dtype: the backward operands' dtype.
+  """
+  if collective not in _KERNEL_NAMES:
+    raise ValueError(f"collective={collective!r} is not one of "
+                     f"{tuple(_KERNEL_NAMES)}")
+  if impl != "pallas":
+    return impl
+  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
+  if jnp.dtype(dtype).name not in tuning.KERNEL_DTYPES:
+    return "ring"
+  from collective_matmul import kernels  # Imports Pallas Mosaic GPU.
+  return "pallas" if hasattr(kernels, _KERNEL_NAMES[collective]) else "ring"
+
+
+def _contract_leading(a, b, precision):
+  """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
+  wider: `[p, q]`."""
+  dtype = jnp.promote_types(a.dtype, b.dtype)
+  lead = tuple(range(a.ndim - 1))
+  return lax.dot_general(
+      a.astype(dtype), b.astype(dtype), ((lead, lead), ((), ())),
+      precision=precision,
+      preferred_element_type=jnp.promote_types(dtype, jnp.float32))
+
+
 def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
-                            precision, preferred_element_type, kernel_config):
+                            precision, preferred_element_type, kernel_config,
+                            return_gathered=False):
+  """The product, or `(product, all_gather(x))` with `return_gathered`."""
   if impl == "baseline":
     return ring.baseline_all_gather_matmul(
         x, w, axis_name, gather_axis=gather_axis, precision=precision,
-        preferred_element_type=preferred_element_type)
+        preferred_element_type=preferred_element_type,
+        return_gathered=return_gathered)
   if impl == "ring":
     return ring.ring_all_gather_matmul(
         x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
-        precision=precision, preferred_element_type=preferred_element_type)
-  return _pallas_all_gather_matmul(x, w, axis_name, gather_axis, precision,
-                                   preferred_element_type, kernel_config)
+        precision=precision, preferred_element_type=preferred_element_type,
+        return_gathered=return_gathered)
+  out = _pallas_all_gather_matmul(x, w, axis_name, gather_axis, precision,
+                                  preferred_element_type, kernel_config)
+  if not return_gathered:
+    return out
+  # The kernel keeps the shards it received in its own scratch only, so the
+  # gathered activation costs one XLA all-gather next to it.
+  return out, lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
+                                bidirectional, precision,
+                                preferred_element_type, kernel_config):
+  if impl == "baseline":
+    return ring.baseline_matmul_reduce_scatter(
+        x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
+        preferred_element_type=preferred_element_type)
+  if impl == "ring":
+    return ring.ring_matmul_reduce_scatter(
+        x, w, axis_name, scatter_axis=scatter_axis,
+        bidirectional=bidirectional, precision=precision,
+        preferred_element_type=preferred_element_type)
+  return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
+                                       precision, preferred_element_type,
+                                       kernel_config)
+
+
+def _times_weight_transposed(dy, w):
+  """`dy` and `w.T` in one dtype, the wider of the two (an f32 cotangent is
+  not rounded to bf16 to meet a bf16 weight)."""
+  dtype = jnp.promote_types(dy.dtype, w.dtype)
+  return dy.astype(dtype), w.T.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
-                       precision, preferred_element_type, kernel_config):
+                       precision, preferred_element_type, kernel_config,
+                       save_gathered=False):
+  del save_gathered  # Only changes what the forward keeps for the backward.
   return _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
                                  bidirectional, precision,
                                  preferred_element_type, kernel_config)
 
 
 def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
-                           precision, preferred_element_type, kernel_config):
+                           precision, preferred_element_type, kernel_config,
+                           save_gathered=False):
+  if save_gathered:
+    out, gathered = _all_gather_matmul_impl(
+        x, w, axis_name, gather_axis, impl, bidirectional, precision,
+        preferred_element_type, kernel_config, return_gathered=True)
+    return out, (gathered, w)
   out = _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
                                 bidirectional, precision,
                                 preferred_element_type, kernel_config)
@@ -83,33 +215,84 @@ def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
 
 def _all_gather_matmul_bwd(axis_name, gather_axis, impl, bidirectional,
                            precision, preferred_element_type, kernel_config,
-                           residuals, dy):
-  # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T) and
-  # dw = all_gather(x).T @ dy. XLA's collectives serve the backward for now.
-  del impl, bidirectional, preferred_element_type, kernel_config
-  x, w = residuals
-  dx_full = lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())),
-                            precision=precision)
-  dx = lax.psum_scatter(dx_full, axis_name, scatter_dimension=gather_axis,
-                        tiled=True).astype(x.dtype)
-  x_full = lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
-  lead = tuple(range(x.ndim - 1))
-  dw = lax.dot_general(x_full, dy, ((lead, lead), ((), ())),
-                       precision=precision).astype(w.dtype)
-  return dx, dw
+                           save_gathered, residuals, dy):
+  # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T), the other
+  # collective matmul, and dw = all_gather(x).T @ dy, from the gathered
+  # activation the forward saved or after gathering it again.
+  del preferred_element_type, kernel_config  # Tuned for the forward's shape.
+  x_or_gathered, w = residuals
+  x_dtype = x_or_gathered.dtype
+  dy_b, w_t = _times_weight_transposed(dy, w)
+  dx = _matmul_reduce_scatter_impl(
+      dy_b, w_t, axis_name, gather_axis,
+      backward_impl(impl, "reduce_scatter", dy_b.dtype), bidirectional,
+      precision, x_dtype, None)
+  gathered = x_or_gathered if save_gathered else lax.all_gather(
+      x_or_gathered, axis_name, axis=gather_axis, tiled=True)
+  dw = _contract_leading(gathered, dy, precision).astype(w.dtype)
+  return dx.astype(x_dtype), dw
 
 
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, bidirectional,
+                           precision, preferred_element_type, kernel_config,
+                           save_gathered):
+  del save_gathered  # Only changes how the backward gets all_gather(dy).
+  return _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
+                                     bidirectional, precision,
+                                     preferred_element_type, kernel_config)
+
+
+def _matmul_reduce_scatter_fwd(x, w, axis_name, scatter_axis, impl,
+                               bidirectional, precision,
+                               preferred_element_type, kernel_config,
+                               save_gathered):
+  out = _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
+                                    bidirectional, precision,
+                                    preferred_element_type, kernel_config)
+  return out, (x, w)
+
+
+def _matmul_reduce_scatter_bwd(axis_name, scatter_axis, impl, bidirectional,
+                               precision, preferred_element_type,
+                               kernel_config, save_gathered, residuals, dy):
+  # y = reduce_scatter(x @ w), so dx = all_gather(dy) @ w.T, the all-gather
+  # collective matmul, and dw = x.T @ all_gather(dy), from the gathered dy
+  # that one assembled or after a second all-gather.
+  del preferred_element_type, kernel_config  # Tuned for the forward's shape.
+  x, w = residuals
+  dy_b, w_t = _times_weight_transposed(dy, w)
+  dx_and_maybe_gathered = _all_gather_matmul_impl(
+      dy_b, w_t, axis_name, scatter_axis,
+      backward_impl(impl, "all_gather", dy_b.dtype), bidirectional,
+      precision, x.dtype, None, return_gathered=save_gathered)
+  if save_gathered:
+    dx, gathered_dy = dx_and_maybe_gathered
+  else:
+    dx = dx_and_maybe_gathered
+    gathered_dy = lax.all_gather(dy_b, axis_name, axis=scatter_axis,
+                                 tiled=True)
+  dw = _contract_leading(x, gathered_dy, precision).astype(w.dtype)
+  return dx.astype(x.dtype), dw
+
+
+_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
+                              _matmul_reduce_scatter_bwd)
+
+
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       impl: str = "ring", bidirectional: bool = True,
                       precision=None, preferred_element_type=None,
-                      kernel_config=None):
+                      kernel_config=None, save_gathered: bool = False):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
-  dw as through the baseline).
+  dw as through the baseline). The backward computes
+  dx = reduce_scatter(dy @ w.T) with `matmul_reduce_scatter` and the same
+  `impl` (`pallas` becomes `ring` where that kernel is missing).
 
   Args:
     x: local activation shard `[..., k]`; `gather_axis` is the leading
@@ -122,10 +305,61 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     precision, preferred_element_type: as in `lax.dot_general`.
     kernel_config: a `kernels.AllGatherMatmulConfig` for `pallas`, or None to
       pick one for the shape.
+    save_gathered: keep the gathered activation `all_gather(x)` from the
+      forward for the weight gradient: D x the activation shard's memory,
+      held until the backward (`pallas` also adds an XLA all-gather to the
+      forward, as the kernel does not hand back the shards it received).
+      False: the backward gathers `x` again (one more all-gather's time).
 
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
   _check_all_gather_operands(x, w, gather_axis, impl)
   return _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
-                            precision, preferred_element_type, kernel_config)
+                            precision, preferred_element_type, kernel_config,
+                            save_gathered)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
+                          impl: str = "ring", bidirectional: bool = True,
+                          precision=None, preferred_element_type=None,
+                          kernel_config=None, save_gathered: bool = False):
+  """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
+  tiled=True)`, overlapped.
+
+  Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
+  dw as through the baseline). The backward computes
+  dx = all_gather(dy) @ w.T with `all_gather_matmul`'s implementation and
+  the same `impl` (`pallas` becomes `ring` where that kernel is missing).
+
+  Args:
+    x: local activation `[..., k]`: every row, and this device's slice of
+      the contraction (e.g. the MLP's hidden features).
+    w: local weight rows `[k, n]`: the same slice of the contraction.
+    axis_name: the mesh axis the contraction is sharded over and the result
+      is scattered over.
+    scatter_axis: the leading dimension of `x` the result is scattered on
+      (batch, sequence or rows); its size must divide by the axis size.
+    impl: `pallas` (Hopper kernel), `ring` (portable) or `baseline`.
+    bidirectional: for `ring` with more than two devices, sum from both
+      sides at once, halving the sequential steps.
+    precision, preferred_element_type: as in `lax.dot_general`. `ring` sums
+      the D partial products in float32 (or the wider
+      `preferred_element_type`) and casts once at the end; `baseline` sums
+      in the product's dtype, as XLA's reduce-scatter does.
+    kernel_config: the `pallas` kernel's tuning config, or None to pick one
+      for the shape.
+    save_gathered: in the backward, use the gathered cotangent that the dx
+      all-gather matmul assembles for dw too (D x the cotangent shard's
+      memory while dw is computed). False: gather dy again for dw (one more
+      all-gather's time).
+
+  Returns:
+    `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
+    over the axis, on device d.
+  """
+  _check_reduce_scatter_operands(x, w, scatter_axis, impl)
+  return _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl,
+                                bidirectional, precision,
+                                preferred_element_type, kernel_config,
+                                save_gathered)

@@ -3,8 +3,10 @@
 `dot_general` has `lax.dot_general`'s contract. When the active configuration
 enables the plugin and the operands form the all-gather pattern (see
 `patterns`), it runs `ops.all_gather_matmul` in a `shard_map` over the
-pattern's mesh axis; otherwise it *is* `lax.dot_general` (same result, same
-compiled program). Every call at trace time leaves a `Decision`.
+pattern's mesh axis; failing that, when they form the reduce-scatter pattern
+(which needs the result's sharding: `out_sharding`, or `out_axes` in logical
+mode), `ops.matmul_reduce_scatter`; otherwise it *is* `lax.dot_general` (same
+result, same compiled program). Every call at trace time leaves a `Decision`.
 """
 from __future__ import annotations
 
@@ -45,10 +47,13 @@ class Decision:
   dtype: str
   axis: str | None = None
   mode: str | None = None  # "explicit" or "logical" sharding information.
+  pattern: str | None = None  # "all_gather" or "reduce_scatter" if matched.
 
   def __str__(self):
     what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
             else "left to XLA")
+    if self.rewritten and self.pattern == "reduce_scatter":
+      what += " (matmul + reduce-scatter)"
     why = f" ({self.reason})" if self.reason else ""
     return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
             f"{self.dtype}: {what}{why}")
@@ -135,6 +140,9 @@ def _logical_specs(lhs, rhs, lhs_axes, rhs_axes):
 def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
                  preferred_element_type):
   """(impl, reason, is_fallback) for a matched pattern."""
+  if isinstance(match, patterns.ReduceScatterMatch):
+    return _choose_reduce_scatter_impl(cfg, match, lhs, rhs, dimension_numbers,
+                                       mesh, preferred_element_type)
   if cfg.impl in ("ring", "baseline"):
     return cfg.impl, "", False
   (lhs_contract, rhs_contract), _ = dimension_numbers
@@ -145,10 +153,54 @@ def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
       platform=_platform(mesh), device_kind=_device_kind(mesh),
       dtype=lhs.dtype, m=m, k=k, n=n, axis_size=match.axis_size,
       out_dtype=preferred_element_type)
-  if reason is None:
-    return "pallas", "", False
-  return (cfg.fallback_impl, f"pallas unavailable: {reason}",
-          cfg.impl == "pallas")
+  if reason is not None:
+    return (cfg.fallback_impl, f"pallas unavailable: {reason}",
+            cfg.impl == "pallas")
+  if cfg.impl == "auto":
+    small = tuning.too_small_reason(m, k, n, lhs.dtype, match.axis_size,
+                                    _num_cores(mesh))
+    if small is not None:
+      return "baseline", small, False
+  return "pallas", "", False
+
+
+def _choose_reduce_scatter_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
+                                preferred_element_type):
+  """(impl, reason, is_fallback) for a matched reduce-scatter pattern.
+
+  `pallas` only where `kernels.tuning.unsupported_reason_reduce_scatter`
+  (same keywords as `unsupported_reason`; per-shard m = rows after the
+  scatter, k = the local contraction, n = the local output columns) exists
+  and says the kernel applies.
+  """
+  if cfg.impl in ("ring", "baseline"):
+    return cfg.impl, "", False
+  check = getattr(tuning, "unsupported_reason_reduce_scatter", None)
+  if check is None:
+    reason = "no reduce-scatter kernel"
+  else:
+    (lhs_contract, rhs_contract), _ = dimension_numbers
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    local = lambda shape, spec, d: shape[d] // math.prod(
+        sizes[a] for a in spec[d])
+    k = math.prod(local(lhs.shape, match.lhs_spec, d) for d in lhs_contract)
+    m = math.prod(local(lhs.shape, match.lhs_spec, d)
+                  for d in range(lhs.ndim) if d not in lhs_contract)
+    n = math.prod(local(rhs.shape, match.rhs_spec, d)
+                  for d in range(rhs.ndim) if d not in rhs_contract)
+    reason = check(
+        platform=_platform(mesh), device_kind=_device_kind(mesh),
+        dtype=lhs.dtype, m=m // match.axis_size, k=k, n=n,
+        axis_size=match.axis_size, out_dtype=preferred_element_type)
+  if reason is not None:
+    return (cfg.fallback_impl, f"pallas unavailable: {reason}",
+            cfg.impl == "pallas")
+  if cfg.impl == "auto":
+    small = tuning.too_small_reason(m, k, n, lhs.dtype, match.axis_size,
+                                    _num_cores(mesh))
+    if small is not None:
+      return "baseline", small, False
+  return "pallas", "", False
 
 
 def _platform(mesh) -> str:
@@ -156,6 +208,12 @@ def _platform(mesh) -> str:
   if device is not None and getattr(device, "platform", None):
     return device.platform
   return jax.default_backend()
+
+
+def _num_cores(mesh) -> int:
+  device = getattr(mesh, "abstract_device", None)
+  cores = getattr(device, "num_cores", None) if device is not None else None
+  return cores or getattr(jax.devices()[0], "core_count", 132)
 
 
 def _device_kind(mesh) -> str:
@@ -182,7 +240,8 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
     y = ops.all_gather_matmul(
         x, w, match.axis, gather_axis=gather_axis, impl=impl,
         bidirectional=cfg.bidirectional, precision=precision,
-        preferred_element_type=preferred_element_type)
+        preferred_element_type=preferred_element_type,
+        save_gathered=cfg.save_gathered)
     return y.reshape(y.shape[:-1] + rhs_free_shape)
 
   to_p = patterns.spec_to_partition_spec
@@ -192,9 +251,59 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
       out_specs=to_p(match.out_spec), check_vma=False)(lhs, rhs)
 
 
+def _rewrite_reduce_scatter(lhs, rhs, dimension_numbers, match, mesh, impl,
+                            cfg, precision, preferred_element_type):
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
+  rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
+
+  def body(lhs_block, rhs_block):
+    # Canonical form: x[free..., k] and w[k, n]. Both sides flatten their
+    # local contracting dims in the same order, so the k slices line up.
+    x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
+    x = x.reshape(x.shape[:len(lhs_free)] + (-1,))
+    w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
+    rhs_free_shape = w.shape[len(rhs_contract):]
+    w = w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1)
+    y = ops.matmul_reduce_scatter(
+        x, w, match.axis, scatter_axis=match.out_scatter_dim, impl=impl,
+        bidirectional=cfg.bidirectional, precision=precision,
+        preferred_element_type=preferred_element_type,
+        save_gathered=cfg.save_gathered)
+    return y.reshape(y.shape[:-1] + rhs_free_shape)
+
+  to_p = patterns.spec_to_partition_spec
+  return jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(to_p(match.lhs_spec), to_p(match.rhs_spec)),
+      out_specs=to_p(match.out_spec), check_vma=False)(lhs, rhs)
+
+
+def _out_spec(out_sharding, out_axes, out_ndim):
+  """The result layout the caller asked for, normalized, or None.
+
+  Raises:
+    ValueError: when it cannot be read (names the offending value).
+  """
+  if out_sharding is not None:
+    spec = getattr(out_sharding, "spec", out_sharding)
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+      raise ValueError(f"{spec} asks for an unreduced/reduced result")
+    return patterns.normalize_spec(spec, out_ndim)
+  if out_axes is not None:
+    import flax.linen as nn  # Only logical-axis users need Flax.
+    if len(out_axes) != out_ndim:
+      raise ValueError(f"out_axes {out_axes} do not match the result's "
+                       f"{out_ndim} dimensions")
+    return patterns.normalize_spec(nn.logical_to_mesh_axes(out_axes),
+                                   out_ndim)
+  return None
+
+
 def _dot_general(lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None, *,
-                 lhs_axes=None, rhs_axes=None, name=None, config=None):
+                 lhs_axes=None, rhs_axes=None, out_axes=None, name=None,
+                 config=None):
   cfg = config or config_lib.get_config()
   plain = functools.partial(_plain, lhs, rhs, dimension_numbers, precision,
                             preferred_element_type, out_sharding)
@@ -229,19 +338,32 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
   if any(t == manual for t in mesh.axis_types):
     return left_to_xla("already inside shard_map (manual mesh axes)",
                        fallback=False)
-  user_out = None
-  if out_sharding is not None:
-    spec = getattr(out_sharding, "spec", out_sharding)
-    try:
-      user_out = patterns.normalize_spec(
-          spec, lhs.ndim + rhs.ndim - 2 * len(dimension_numbers[0][0]))
-    except ValueError as e:
-      return left_to_xla(f"out_sharding unreadable: {e}", fallback=False)
+  try:
+    user_out = _out_spec(
+        out_sharding, out_axes,
+        lhs.ndim + rhs.ndim - 2 * len(dimension_numbers[0][0]))
+  except ValueError as e:
+    what = "out_sharding" if out_sharding is not None else "out_axes"
+    return left_to_xla(f"{what} unreadable: {e}", fallback=False)
+  mesh_axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   match = patterns.match_all_gather_matmul(
-      lhs_shape, rhs_shape, dimension_numbers, *specs,
-      dict(zip(mesh.axis_names, mesh.axis_sizes)), user_out)
+      lhs_shape, rhs_shape, dimension_numbers, *specs, mesh_axis_sizes,
+      user_out)
   if isinstance(match, patterns.NoMatch):
-    return left_to_xla(match.reason, match.fallback)
+    all_gather_miss = match
+    match = patterns.match_matmul_reduce_scatter(
+        lhs_shape, rhs_shape, dimension_numbers, *specs, mesh_axis_sizes,
+        user_out)
+    if isinstance(match, patterns.NoMatch):
+      # Report the miss that says most: the all-gather one when it found
+      # that pattern but could not serve it, or when no contraction is
+      # sharded (then the reduce-scatter pattern was never in question).
+      if (all_gather_miss.fallback or
+          not patterns.contraction_is_sharded(dimension_numbers, *specs)):
+        match = all_gather_miss
+      return left_to_xla(match.reason, match.fallback)
+  pattern = ("reduce_scatter" if isinstance(match, patterns.ReduceScatterMatch)
+             else "all_gather")
   (lhs_contract, rhs_contract), _ = dimension_numbers
   if jnp.result_type(rhs) != dtype:
     return left_to_xla(f"operand dtypes differ: lhs {dtype}, rhs "
@@ -255,10 +377,11 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
                        fallback=True)
   impl, reason, is_fallback = _choose_impl(
       cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
-  _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis),
-          cfg.strict, is_fallback)
-  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg,
-                 precision, preferred_element_type)
+  _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis,
+                 pattern=pattern), cfg.strict, is_fallback)
+  rewrite = _rewrite if pattern == "all_gather" else _rewrite_reduce_scatter
+  out = rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg,
+                precision, preferred_element_type)
   if out_sharding is not None and mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out
@@ -266,7 +389,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None,
                 preferred_element_type=None, out_sharding=None, **kwargs):
-  """Drop-in `lax.dot_general` that overlaps the all-gather with the matmul.
+  """Drop-in `lax.dot_general` that overlaps the all-gather or the
+  reduce-scatter with the matmul.
 
   Usable as `flax.linen.Dense(dot_general=...)`, `DenseGeneral` and
   `flax.nnx.Linear(dot_general=...)`. Sharding is read from the operands'
@@ -276,7 +400,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None,
 
   Args:
     lhs, rhs, dimension_numbers, precision, preferred_element_type,
-    out_sharding: as in `lax.dot_general`.
+    out_sharding: as in `lax.dot_general`. A contraction sharded on both
+      operands is rewritten only when `out_sharding` asks for the result
+      sharded on an lhs row dimension over the same axis.
     **kwargs: `config` (a `CollectiveMatmulConfig` instead of the active one)
       and `name` (labels the decision record).
   """
@@ -289,6 +415,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None,
 
 def logical_dot_general(lhs_axes: Sequence[str | None],
                         rhs_axes: Sequence[str | None], *,
+                        out_axes: Sequence[str | None] | None = None,
                         name: str | None = None,
                         config: config_lib.CollectiveMatmulConfig | None = None):
   """A `dot_general` for Auto-sharded models that name their axes logically.
@@ -302,17 +429,24 @@ def logical_dot_general(lhs_axes: Sequence[str | None],
       `('activation_batch', 'activation_length', 'activation_embed')`.
     rhs_axes: logical names of the kernel's dimensions, e.g.
       `('embed', 'mlp')`.
+    out_axes: logical names of the result's dimensions, e.g.
+      `('activation_batch', 'activation_length', 'activation_embed')` for
+      the MLP output projection. Needed for the reduce-scatter pattern (the
+      operands alone do not say whether the sum is wanted reduce-scattered
+      or all-reduced); when given, an all-gather rewrite is done only if it
+      produces this layout. The result is not constrained to it otherwise.
     name: labels this layer in the decision record.
     config: use this configuration instead of the active one.
   """
   lhs_axes, rhs_axes = tuple(lhs_axes), tuple(rhs_axes)
+  out_axes = None if out_axes is None else tuple(out_axes)
 
   def bound_dot_general(lhs, rhs, dimension_numbers, precision=None,
                         preferred_element_type=None, out_sharding=None):
     return _dot_general(lhs, rhs, dimension_numbers, precision,
                         preferred_element_type, out_sharding,
-                        lhs_axes=lhs_axes, rhs_axes=rhs_axes, name=name,
-                        config=config)
+                        lhs_axes=lhs_axes, rhs_axes=rhs_axes,
+                        out_axes=out_axes, name=name, config=config)
 
   bound_dot_general.__name__ = f"logical_dot_general[{name or ''}]"
   return bound_dot_general

@@ -9,6 +9,17 @@ The all-gather pattern (the seed's): lhs has a non-contracting dimension
 sharded over mesh axis A, rhs has a non-contracting (output-feature)
 dimension sharded over the same A, and no contracting dimension is sharded.
 XLA would all-gather lhs over A before the matmul; we overlap the two.
+
+The reduce-scatter pattern: lhs and rhs are both sharded over mesh axis A on
+the (same) contracting dimension, and the result is wanted sharded over A on
+an lhs non-contracting ("row") dimension. XLA would sum the local products
+with a reduce-scatter after the matmul; we overlap the two. Shapes and specs
+of the operands cannot say where the sum should end up (all-reduced,
+reduce-scattered on rows or on columns, left unreduced), so this pattern
+needs the result's spec: `out_sharding` with Explicit axes (JAX 0.10.2
+rejects such a `dot_general` without one: "Contracting dimensions are
+sharded and it is ambiguous how the output should be sharded"), or the
+result's logical axes (`logical_dot_general(..., out_axes=...)`).
 """
 from __future__ import annotations
 
@@ -37,6 +48,33 @@ class AllGatherMatch:
   axis_size: int
   lhs_gather_dim: int
   rhs_out_dim: int
+  lhs_spec: Spec
+  rhs_spec: Spec
+  out_spec: Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterMatch:
+  """Where the reduce-scatter pattern sits in one `dot_general`.
+
+  Attributes:
+    axis: the mesh axis the collective runs over.
+    axis_size: its number of devices.
+    lhs_contract_dim, rhs_contract_dim: the contracting dimensions sharded
+      over `axis` (summed over it).
+    lhs_scatter_dim: the lhs row dimension whose result is scattered.
+    out_scatter_dim: the same dimension's index in the result.
+    lhs_spec, rhs_spec: the operands' specs (also the shard_map in_specs).
+    out_spec: the result's spec: lhs free dims (the scattered one with
+      `axis` added last) then rhs free dims.
+  """
+
+  axis: str
+  axis_size: int
+  lhs_contract_dim: int
+  rhs_contract_dim: int
+  lhs_scatter_dim: int
+  out_scatter_dim: int
   lhs_spec: Spec
   rhs_spec: Spec
   out_spec: Spec
@@ -168,3 +206,134 @@ def match_all_gather_matmul(
                         lhs_gather_dim=lhs_gather_dim,
                         rhs_out_dim=rhs_out_dim, lhs_spec=tuple(lhs_spec),
                         rhs_spec=tuple(rhs_spec), out_spec=natural_out)
+
+
+def _indivisible(name, shape, spec, mesh_axis_sizes) -> NoMatch | None:
+  for d, (size, axes) in enumerate(zip(shape, spec)):
+    shards = math.prod(mesh_axis_sizes[a] for a in axes)
+    if size % shards:
+      return NoMatch(f"{name} dimension {d} of size {size} is not divisible "
+                     f"by its {shards} shards over {axes}", fallback=True)
+  return None
+
+
+def match_matmul_reduce_scatter(
+    lhs_shape: Sequence[int],
+    rhs_shape: Sequence[int],
+    dimension_numbers,
+    lhs_spec: Spec,
+    rhs_spec: Spec,
+    mesh_axis_sizes: Mapping[str, int],
+    out_spec: Spec | None,
+) -> ReduceScatterMatch | NoMatch:
+  """Decides whether a `dot_general` is the matmul-reduce-scatter pattern.
+
+  Args:
+    lhs_shape, rhs_shape: global shapes.
+    dimension_numbers: as in `lax.dot_general`.
+    lhs_spec, rhs_spec: normalized specs (see `normalize_spec`).
+    mesh_axis_sizes: every mesh axis name and its size.
+    out_spec: the normalized result layout the caller asked for; None (not
+      known) is never this pattern.
+
+  Returns:
+    A `ReduceScatterMatch`, or a `NoMatch` with the reason: `fallback` only
+    when the contraction is sharded and the result is asked for sharded on
+    rows over the same axis, but something else stops the rewrite.
+  """
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
+  if lhs_batch or rhs_batch:
+    return NoMatch("dot_general has batch dimensions "
+                   f"{tuple(lhs_batch)}/{tuple(rhs_batch)}")
+  for axes in lhs_spec + rhs_spec + tuple(out_spec or ()):
+    for axis in axes:
+      if axis not in mesh_axis_sizes:
+        return NoMatch(f"mesh axis {axis!r} of the sharding is not in the "
+                       f"mesh {dict(mesh_axis_sizes)}", fallback=True)
+  pairs = list(zip(lhs_contract, rhs_contract))
+  candidates = sorted(
+      {a for l, r in pairs for a in set(lhs_spec[l]) & set(rhs_spec[r])
+       if mesh_axis_sizes[a] > 1})
+  if not candidates:
+    return NoMatch("no mesh axis shards the contracting dimension of both "
+                   "lhs and rhs")
+  if out_spec is None:
+    return NoMatch(
+        f"the contraction is sharded over {candidates} but the result's "
+        "sharding is not known (pass out_sharding, or out_axes to "
+        "logical_dot_general), so it may be wanted all-reduced")
+  lhs_free = _free_dims(len(lhs_shape), lhs_contract)
+  rhs_free = _free_dims(len(rhs_shape), rhs_contract)
+  out_spec = tuple(out_spec)
+  if len(out_spec) != len(lhs_free) + len(rhs_free):
+    return NoMatch(f"out_sharding {out_spec} has {len(out_spec)} entries for "
+                   f"a {len(lhs_free) + len(rhs_free)}-dimensional result")
+  out_rows = out_spec[:len(lhs_free)]
+  scattered = [a for a in candidates
+               if any(a in axes for axes in out_rows)]
+  if not scattered:
+    where = ("on its columns" if any(a in axes for a in candidates
+                                     for axes in out_spec[len(lhs_free):])
+             else "replicated (all-reduced) or unreduced")
+    return NoMatch(f"the contraction is sharded over {candidates} but the "
+                   f"result is asked for {where}: out_sharding {out_spec}")
+  if len(candidates) > 1:
+    return NoMatch(f"several mesh axes {candidates} shard the contracting "
+                   "dimensions of both lhs and rhs", fallback=True)
+  (axis,) = candidates
+  lhs_contract_dim, rhs_contract_dim = next(
+      (l, r) for l, r in pairs if axis in lhs_spec[l] and axis in rhs_spec[r])
+  for l, r in pairs:
+    if (l, r) == (lhs_contract_dim, rhs_contract_dim):
+      if lhs_spec[l] != (axis,) or rhs_spec[r] != (axis,):
+        return NoMatch(
+            f"contracting dimensions lhs {l} / rhs {r} are sharded over "
+            f"{lhs_spec[l]} / {rhs_spec[r]}; only {axis!r} alone on both is "
+            "supported", fallback=True)
+    elif lhs_spec[l] or rhs_spec[r]:
+      return NoMatch(f"contracting dimensions lhs {l} / rhs {r} are also "
+                     f"sharded, over {lhs_spec[l]} / {rhs_spec[r]}",
+                     fallback=True)
+  out_scatter_dim = next(i for i, axes in enumerate(out_rows) if axis in axes)
+  lhs_scatter_dim = lhs_free[out_scatter_dim]
+  natural_out = tuple(
+      lhs_spec[d] + (axis,) if d == lhs_scatter_dim else lhs_spec[d]
+      for d in lhs_free) + tuple(rhs_spec[d] for d in rhs_free)
+  used = [a for axes in natural_out for a in axes]
+  if len(used) != len(set(used)):
+    return NoMatch(f"the operands' free dimensions share mesh axes: the "
+                   f"result would be sharded as {natural_out}", fallback=True)
+  if out_spec != natural_out:
+    return NoMatch(
+        f"out_sharding {out_spec} differs from the collective matmul's "
+        f"layout {natural_out} (the lhs row dimension's own sharding, then "
+        f"{axis!r} last)", fallback=True)
+  for name, shape, spec in (("lhs", lhs_shape, lhs_spec),
+                            ("rhs", rhs_shape, rhs_spec)):
+    reason = _indivisible(name, shape, spec, mesh_axis_sizes)
+    if reason is not None:
+      return reason
+  row_shards = math.prod(mesh_axis_sizes[a] for a in natural_out[
+      out_scatter_dim])
+  if lhs_shape[lhs_scatter_dim] % row_shards:
+    return NoMatch(
+        f"lhs dimension {lhs_scatter_dim} of size "
+        f"{lhs_shape[lhs_scatter_dim]} does not split into the "
+        f"{row_shards} row blocks of {natural_out[out_scatter_dim]}",
+        fallback=True)
+  return ReduceScatterMatch(
+      axis=axis, axis_size=mesh_axis_sizes[axis],
+      lhs_contract_dim=lhs_contract_dim, rhs_contract_dim=rhs_contract_dim,
+      lhs_scatter_dim=lhs_scatter_dim, out_scatter_dim=out_scatter_dim,
+      lhs_spec=tuple(lhs_spec), rhs_spec=tuple(rhs_spec),
+      out_spec=natural_out)
+
+
+def contraction_is_sharded(dimension_numbers, lhs_spec: Spec,
+                           rhs_spec: Spec) -> bool:
+  """Whether any contracting dimension of either operand is sharded (then
+  the all-gather pattern cannot apply and the reduce-scatter one may)."""
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  return (any(lhs_spec[d] for d in lhs_contract) or
+          any(rhs_spec[d] for d in rhs_contract))

@@ -4,10 +4,17 @@ These are the executable specification of the Hopper kernels (same algorithm,
 any backend) and their fallback. Every function here runs inside a
 `shard_map` body over `axis_name` and sees local shards only.
 
-Shapes: `x` is `[..., k]` with the gathered dimension `gather_axis` among the
-leading ones; `w` is `[k, n]` (the device's columns). The result has the
-shape of `x` with `k` replaced by `n` and `gather_axis` grown D times, its
-blocks in axis-index order, exactly like `all_gather(x, tiled=True) @ w`.
+All-gather matmul: `x` is `[..., k]` with the gathered dimension
+`gather_axis` among the leading ones; `w` is `[k, n]` (the device's columns).
+The result has the shape of `x` with `k` replaced by `n` and `gather_axis`
+grown D times, its blocks in axis-index order, exactly like
+`all_gather(x, tiled=True) @ w`.
+
+Matmul reduce-scatter: `x` is `[..., k]` with every row but only the device's
+slice of the contraction `k`; `w` is `[k, n]` (the same slice of its rows).
+The result has the shape of `x` with `k` replaced by `n` and `scatter_axis`
+D times shorter: device d holds row block d of the sum over devices, exactly
+like `psum_scatter(x @ w, scatter_dimension=scatter_axis, tiled=True)`.
 """
 from __future__ import annotations
 
@@ -24,11 +31,16 @@ def local_matmul(x, w, *, precision=None, preferred_element_type=None):
 
 
 def baseline_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
-                               precision=None, preferred_element_type=None):
-  """All-gather `x` along `gather_axis`, then one matmul: what XLA does."""
+                               precision=None, preferred_element_type=None,
+                               return_gathered=False):
+  """All-gather `x` along `gather_axis`, then one matmul: what XLA does.
+
+  With `return_gathered`, returns `(product, gathered x)`.
+  """
   gathered = lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
-  return local_matmul(gathered, w, precision=precision,
-                      preferred_element_type=preferred_element_type)
+  out = local_matmul(gathered, w, precision=precision,
+                     preferred_element_type=preferred_element_type)
+  return (out, gathered) if return_gathered else out
 
 
 def _shift(axis_size: int, delta: int) -> list[tuple[int, int]]:
@@ -38,13 +50,17 @@ def _shift(axis_size: int, delta: int) -> list[tuple[int, int]]:
 
 def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
                            bidirectional=True, precision=None,
-                           preferred_element_type=None):
+                           preferred_element_type=None, return_gathered=False):
   """`all_gather(x) @ w` as a ring that multiplies while it passes shards on.
 
   Step i on device d multiplies shard (d + i) % D, which it received from
   device d + 1, while sending it on to device d - 1 (the seed's ring). With
   `bidirectional` and D > 2 shards travel both ways round, so only
   ceil((D - 1) / 2) communication steps are sequential instead of D - 1.
+
+  With `return_gathered`, returns `(product, gathered x)`: the shards that
+  passed through are kept (D x the memory of `x`, no extra communication),
+  e.g. for a backward pass that needs `all_gather(x)` again.
   """
   if not 0 <= gather_axis < x.ndim - 1:
     raise ValueError(f"gather_axis={gather_axis} must index one of the "
@@ -54,17 +70,30 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
       chunk, w, precision=precision,
       preferred_element_type=preferred_element_type)
   if axis_size == 1:
-    return dot(x)
+    return (dot(x), x) if return_gathered else dot(x)
   my_index = lax.axis_index(axis_name)
   rows = x.shape[gather_axis]
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[gather_axis] *= axis_size
   out_dtype = jax.eval_shape(dot, x).dtype
   out = jnp.zeros(out_shape, out_dtype)
+  gathered_shape = list(x.shape)
+  gathered_shape[gather_axis] *= axis_size
+  gathered = jnp.zeros(gathered_shape, x.dtype) if return_gathered else None
 
-  def place(out, block, source):
+  def place(buffer, block, source):
     start = (source % axis_size) * rows
-    return lax.dynamic_update_slice_in_dim(out, block, start, gather_axis)
+    return lax.dynamic_update_slice_in_dim(buffer, block, start, gather_axis)
+
+  def use(out, gathered, chunk, source):
+    """Multiplies the shard of device `source` (and keeps it if asked)."""
+    out = place(out, dot(chunk), source)
+    if return_gathered:
+      gathered = place(gathered, chunk, source)
+    return out, gathered
+
+  def result(out, gathered):
+    return (out, gathered) if return_gathered else out
 
   # The first send is issued before the first product so the two overlap.
   if not bidirectional or axis_size == 2:
@@ -72,12 +101,12 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
     for step in range(axis_size):
       incoming = (lax.ppermute(chunk, axis_name, _shift(axis_size, -1))
                   if step < axis_size - 1 else None)
-      out = place(out, dot(chunk), my_index + step)
+      out, gathered = use(out, gathered, chunk, my_index + step)
       chunk = incoming
-    return out
+    return result(out, gathered)
 
   forward, backward = x, x
-  out = place(out, dot(x), my_index)
+  out, gathered = use(out, gathered, x, my_index)
   num_steps = axis_size // 2
   for step in range(1, num_steps + 1):
     # Last step of an even ring: shard d + D/2 arrives either way; take one.
@@ -85,7 +114,110 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
     forward = lax.ppermute(forward, axis_name, _shift(axis_size, -1))
     if both_ways:
       backward = lax.ppermute(backward, axis_name, _shift(axis_size, +1))
-    out = place(out, dot(forward), my_index + step)
+    out, gathered = use(out, gathered, forward, my_index + step)
     if both_ways:
-      out = place(out, dot(backward), my_index - step)
-  return out
+      out, gathered = use(out, gathered, backward, my_index - step)
+  return result(out, gathered)
+
+
+def accumulation_dtype(out_dtype):
+  """The dtype partial sums travel in: at least float32, so that D - 1
+  additions of low-precision partial products do not each round to bf16."""
+  return jnp.promote_types(out_dtype, jnp.float32)
+
+
+def baseline_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
+                                   precision=None,
+                                   preferred_element_type=None):
+  """One matmul, then `psum_scatter` of the product: what XLA does.
+
+  The partial products are summed by the collective in the product's dtype
+  (bf16 operands: bf16 sums), exactly as XLA's own reduce-scatter would.
+  """
+  partial = local_matmul(x, w, precision=precision,
+                         preferred_element_type=preferred_element_type)
+  return lax.psum_scatter(partial, axis_name, scatter_dimension=scatter_axis,
+                          tiled=True)
+
+
+def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
+                               bidirectional=True, precision=None,
+                               preferred_element_type=None):
+  """`psum_scatter(x @ w)` as a ring that adds while it passes sums on.
+
+  Each row block's partial sum travels round the ring towards the device
+  that owns it: at every step a device multiplies its slice of the block
+  bound for a device further along, adds the partial sum it received for
+  that block and sends it on (the send of one step is issued before the
+  next step's product, so the two overlap). The owner adds its own product
+  last. D products, D - 1 sequential sends.
+
+  With `bidirectional` and D > 2 each block is summed from both sides at
+  once: one partial sum collects the devices after the owner (travelling to
+  lower indices), the other the devices before it (travelling to higher
+  indices), so only ceil((D - 1) / 2) sends are sequential. Every term is
+  added exactly once; only the order of the additions differs.
+
+  Partial sums are accumulated and sent in float32 (or in
+  `preferred_element_type` when that is wider), whatever the operand dtype,
+  and cast to the product's dtype (`preferred_element_type`, else the
+  operands') once, at the end. That doubles the bytes sent for bf16 operands
+  and is what makes the result no less accurate than one f32 sum.
+  """
+  if not 0 <= scatter_axis < x.ndim - 1:
+    raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
+                     f"{x.ndim - 1} leading dimensions of x{x.shape}")
+  axis_size = lax.axis_size(axis_name)
+  if x.shape[scatter_axis] % axis_size:
+    raise ValueError(
+        f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
+        f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
+        f"over {axis_name!r}")
+  out_dtype = jax.eval_shape(
+      lambda a, b: local_matmul(a, b, precision=precision,
+                                preferred_element_type=preferred_element_type),
+      x, w).dtype
+  sum_dtype = accumulation_dtype(out_dtype)
+  rows = x.shape[scatter_axis] // axis_size
+
+  def partial_product(owner):
+    """This device's term of row block `owner` (device index, any int)."""
+    start = (owner % axis_size) * rows
+    block = lax.dynamic_slice_in_dim(x, start, rows, scatter_axis)
+    return local_matmul(block, w, precision=precision,
+                        preferred_element_type=sum_dtype)
+
+  if axis_size == 1:
+    return partial_product(0).astype(out_dtype)
+  my_index = lax.axis_index(axis_name)
+  if not bidirectional or axis_size == 2:
+    # Every block's sum visits the D - 1 devices after its owner.
+    down_hops, up_hops = axis_size - 1, 0
+  else:
+    down_hops = axis_size // 2
+    up_hops = axis_size - 1 - down_hops
+
+  # A sum that ends with `hops` sends starts `hops` devices away from its
+  # owner. Both run to the same last step so their final sends overlap the
+  # owner's own product; the shorter one starts later.
+  down_sum = up_sum = None
+  for step in range(down_hops):
+    if down_sum is not None:
+      down_sum = lax.ppermute(down_sum, axis_name, _shift(axis_size, -1))
+    if up_sum is not None:
+      up_sum = lax.ppermute(up_sum, axis_name, _shift(axis_size, +1))
+    # This step's down sum belongs to the device `distance` before this one
+    # and the up sum to the device `distance` after it; up sums, having
+    # fewer hops, start once `distance` has come down to `up_hops`.
+    distance = down_hops - step
+    down_term = partial_product(my_index - distance)
+    down_sum = down_term if down_sum is None else down_sum + down_term
+    if distance <= up_hops:
+      up_term = partial_product(my_index + distance)
+      up_sum = up_term if up_sum is None else up_sum + up_term
+  down_sum = lax.ppermute(down_sum, axis_name, _shift(axis_size, -1))
+  total = partial_product(my_index) + down_sum
+  if up_sum is not None:
+    up_sum = lax.ppermute(up_sum, axis_name, _shift(axis_size, +1))
+    total = total + up_sum
+  return total.astype(out_dtype)

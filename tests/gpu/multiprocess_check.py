@@ -4,8 +4,9 @@ import os
 
 import jax
 
+RANK = int(os.environ["RANK"])
 jax.distributed.initialize("localhost:12731", num_processes=2,
-                           process_id=int(os.environ["RANK"]))
+                           process_id=RANK, local_device_ids=[RANK])
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils

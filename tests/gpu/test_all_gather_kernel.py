@@ -136,7 +136,7 @@ def test_one_process_per_gpu():
   procs = []
   for rank in range(2):
     # This process already holds most of each GPU's memory.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank), RANK=str(rank),
+    env = dict(os.environ, RANK=str(rank),
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     procs.append(subprocess.Popen([sys.executable, script], env=env,
                                   stdout=subprocess.PIPE,

@@ -71,7 +71,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   wg_idx = lax.axis_index("wg")
   if ring:
     dev = lax.axis_index(axis_name)
-    send_to = lax.rem(dev + axis_size - 1, axis_size)
+    send_to = (dev if config.loopback_for_timing
+               else lax.rem(dev + axis_size - 1, axis_size))
     peer_scratch = plgpu.remote_ref(scratch_ref, _peer_id(axis_name, send_to))
     # arrived[s, i]: senders whose slice of row block i for step s + 1 landed.
     arrived = pl.get_global(
@@ -162,6 +163,14 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
           sender = forwards & (wg_idx == 0)
           sends_now = ((lax.rem(kk, send_gap) == 0)
                        & (lax.div(kk, send_gap) < share))
+          sent_before = ((kk > 0) & (lax.rem(kk - 1, send_gap) == 0)
+                         & (lax.div(kk - 1, send_gap) < share))
+
+          # The slot of step kk - 1 is released when this body returns
+          # (delay_release=1): its send must have finished reading it.
+          @pl.when(sender & sent_before)
+          def _slot_read():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
           @pl.when(sender & sends_now)
           def _forward():
@@ -169,9 +178,6 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                 a_smem,
                 peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
                                 pl.ds(k_block * tile_k, tile_k)])
-            # The slot is released one step later (delay_release=1): the
-            # previous copy must have finished reading it by then.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
           @pl.when(sender & (kk == signal_at))
           def _announce():

@@ -37,6 +37,10 @@ class AllGatherMatmulConfig:
       first thing in its pipeline, so a whole block reaches the next device
       in a fraction of a tile's time (instead of only at the end of the
       block's first tile).
+    loopback_for_timing: diagnostics only, WRONG RESULTS for D > 1: every
+      device forwards to its own scratch instead of its neighbour's, so the
+      kernel does the same work without NVLink traffic (to time what the
+      link costs).
     send_gap: pipeline steps between two sends of one tile. A send holds its
       shared-memory slot until NVLink has read it; with every SM sending at
       once, back-to-back sends would stall the pipeline on the link.
@@ -52,7 +56,8 @@ class AllGatherMatmulConfig:
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   spread_sends: bool = True
-  send_gap: int = 16
+  send_gap: int = 12
+  loopback_for_timing: bool = False
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "epi_tile_m", "epi_tile_n"):
@@ -135,6 +140,25 @@ def unsupported_reason(*, platform: str, device_kind: str, dtype, m: int,
     return f"empty problem m={m} k={k} n={n}"
   if axis_size < 1:
     return f"axis size {axis_size}"
+  return None
+
+
+def too_small_reason(m: int, k: int, n: int, dtype, axis_size: int,
+                     num_sms: int = 132) -> str | None:
+  """Why overlapping does not pay for this problem, or None if it does.
+
+  When one ring step has too few output tiles to keep half the SMs busy,
+  each step's tiles wait on the previous step's data with the GPU mostly
+  idle; an NCCL all-gather followed by one cuBLAS GEMM is faster (measured
+  on 2 x H200 at 512/4096/4096: benchmarks/RESULTS.md).
+  """
+  config = select_config(m, k, n, dtype, axis_size, num_sms)
+  pad = padding(config, m, k, n)
+  per_step = ((m + pad.m) // config.cta_tile_m) * (
+      (n + pad.n) // config.cta_tile_n)
+  if axis_size > 1 and per_step < num_sms / 2:
+    return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
+            f"(local {m}x{k}x{n}): all-gather + GEMM is faster")
   return None
 
 
