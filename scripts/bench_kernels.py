@@ -88,17 +88,25 @@ def poison_allocator(nbytes):
     del junk
 
 
-def windowed_einsum_us(m, k, n, dtype_name):
+def windowed_einsum_us(m, k, n, dtype_name, reduce_scatter=False):
   """XLA windowed einsum, timed in a subprocess with its XLA flags."""
+  if reduce_scatter:  # x[D*m, D*k] columns sharded, w[D*k, n] rows sharded.
+    a_shape, a_spec = f"({m} * d, {k} * d)", 'P(None, "x")'
+    b_shape, b_spec = f"({k} * d, {n})", 'P("x", None)'
+    out_spec = 'P("x", None)'
+  else:
+    a_shape, a_spec = f"({m} * d, {k})", 'P("x", None)'
+    b_shape, b_spec = f"({k}, {n} * d)", 'P(None, "x")'
+    out_spec = 'P(None, "x")'
   code = f"""
 import os, time, jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P, NamedSharding
 d = jax.device_count()
 mesh = jax.make_mesh((d,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 dt = {{"bf16": jnp.bfloat16, "f16": jnp.float16}}["{dtype_name}"]
-a = jax.device_put(jax.random.normal(jax.random.key(1), ({m} * d, {k}), dt), NamedSharding(mesh, P("x", None)))
-b = jax.device_put(jax.random.normal(jax.random.key(2), ({k}, {n} * d), dt), NamedSharding(mesh, P(None, "x")))
-f = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P(None, "x")))
+a = jax.device_put(jax.random.normal(jax.random.key(1), {a_shape}, dt), NamedSharding(mesh, {a_spec}))
+b = jax.device_put(jax.random.normal(jax.random.key(2), {b_shape}, dt), NamedSharding(mesh, {b_spec}))
+f = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, {out_spec}))
 for _ in range(20): f(a, b).block_until_ready()
 t = time.perf_counter()
 for _ in range(200): r = f(a, b)
@@ -216,6 +224,61 @@ def bench_shape(m, k, n, dtype_name, args):
   return row
 
 
+RS_SHAPES = ["1024/4096/4096:bf16", "4096/7168/8192:bf16",
+             "8192/14336/8192:bf16"]
+
+
+def bench_reduce_scatter(m, k, n, dtype_name, args):
+  """Matmul + reduce-scatter: per shard m rows after the scatter, k local
+  contraction, n output columns."""
+  from collective_matmul import kernels
+  dtype = DTYPES[dtype_name]
+  d = jax.device_count()
+  row = {"pattern": "reduce_scatter", "shape": f"{m}/{k}/{n}",
+         "dtype": dtype_name, "D": d}
+  flops = 2 * d * m * k * n
+  la = jax.device_put(jax.random.normal(jax.random.key(3), (d * m, k), dtype),
+                      jax.devices()[0])
+  lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
+                      jax.devices()[0])
+  _, row["bound_us"], _ = kernel_time_us(jax.jit(jnp.dot), la, lb)
+  mesh = jax.make_mesh((d,), ("x",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    a = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(1), (d * m, d * k), dtype), P(None, "x"))
+    b = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(2), (d * k, n), dtype), P("x", None))
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+
+    def shmap(fn):
+      return jax.jit(jax.shard_map(fn, out_specs=P("x", None),
+                                   check_vma=False))
+
+    nccl = shmap(lambda x, y: lax.psum_scatter(
+        x @ y, "x", scatter_dimension=0, tiled=True))
+    out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b)
+    row["nccl_rel_err"] = rel_error(out, ref)
+    f = shmap(functools.partial(kernels.matmul_reduce_scatter, axis_name="x"))
+    try:
+      poison_allocator(d * m * n * 2)
+      out, row["ours_us"], row["ours_kernels"] = kernel_time_us(f, a, b)
+      row["ours_rel_err"] = rel_error(out, ref)
+      again = np.asarray(f(a, b), np.float32)
+      row["ours_repeat_identical"] = bool(
+          np.array_equal(again, np.asarray(out, np.float32)))
+    except Exception as e:
+      print(f"ours reduce-scatter failed: {type(e).__name__}: {str(e)[:3000]}",
+            flush=True)
+  if args.windowed and d > 1:
+    row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name,
+                                            reduce_scatter=True)
+  for key in list(row):
+    if key.endswith("_us") and row[key]:
+      row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+  return row
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="*", default=SHAPES)
@@ -223,15 +286,19 @@ def main():
                       help="extra kernel config as JSON (repeatable)")
   parser.add_argument("--skip-seed", action="store_true")
   parser.add_argument("--windowed", action="store_true")
+  parser.add_argument("--rs-shapes", nargs="*", default=RS_SHAPES,
+                      help="matmul + reduce-scatter shapes (m/k/n per shard)")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
   rows = []
   versions = {"jax": jax.__version__, "devices": [str(x.device_kind) for x in
                                                   jax.devices()]}
   print(versions, flush=True)
-  for text in args.shapes:
+  jobs = [(bench_shape, t) for t in args.shapes] + [
+      (bench_reduce_scatter, t) for t in args.rs_shapes]
+  for bench, text in jobs:
     t0 = time.time()
-    row = bench_shape(*parse_shape(text), args)
+    row = bench(*parse_shape(text), args)
     row["wall_s"] = time.time() - t0
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -240,12 +307,12 @@ def main():
       json.dump({"versions": versions, "argv": sys.argv, "rows": rows}, f,
                 indent=1)
   cols = ["bound", "ours", "seed", "nccl", "windowed"]
-  print("\nshape            dtype " + " ".join(f"{c:>9}" for c in cols)
+  print("\npattern shape            dtype " + " ".join(f"{c:>9}" for c in cols)
         + "  ours/bound")
   for r in rows:
     vals = [r.get(f"{c}_us") for c in cols]
     ratio = (r["ours_us"] / r["bound_us"]) if r.get("ours_us") else None
-    print(f"{r['shape']:16} {r['dtype']:5} " + " ".join(
+    print(f"{r.get('pattern', 'all_gather')[:7]:7} {r['shape']:16} {r['dtype']:5} " + " ".join(
         f"{v:9.1f}" if v else f"{'-':>9}" for v in vals)
           + (f"  {ratio:.3f}" if ratio else ""))
 

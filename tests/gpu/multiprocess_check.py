@@ -2,6 +2,12 @@
 import functools
 import os
 
+# Multi-process Mosaic GPU collectives reach peers through NVSHMEM (as the
+# upstream collective-matmul example does); NVLS stays off.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_gpu_experimental_enable_nvshmem=true")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import jax
 
 RANK = int(os.environ["RANK"])

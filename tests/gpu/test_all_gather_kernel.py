@@ -115,10 +115,10 @@ def test_override_picks_pallas_on_hopper_and_matches_baseline():
   d = 2
   with jax.set_mesh(_mesh(d)):
     x = jax.sharding.reshard(jax.random.normal(
-        jax.random.key(7), (2, d * 128, 512), jnp.bfloat16),
+        jax.random.key(7), (2, d * 1024, 512), jnp.bfloat16),
         P(None, "x", None))
     w = jax.sharding.reshard(jax.random.normal(
-        jax.random.key(8), (512, d * 256), jnp.bfloat16), P(None, "x"))
+        jax.random.key(8), (512, d * 2048), jnp.bfloat16), P(None, "x"))
     cm.clear_decisions()
     with cm.config_context(enabled=True, impl="auto", strict=True):
       out = jax.jit(lambda x, w: cm.dot_general(

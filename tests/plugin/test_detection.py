@@ -328,3 +328,24 @@ def test_logical_axes_of_wrong_rank_fall_back(keys):
   decision = _only_decision()
   assert not decision.rewritten and "('batch', 'embed')" in decision.reason
   assert_close(y, reference(x, w), TOLERANCE["float32"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG/limitation: the active CollectiveMatmulConfig is read at trace time "
+    "but is not part of jax.jit's cache key, so a function jitted once with "
+    "the plugin off keeps its plain program after config_context(enabled="
+    "True) (no retrace, no Decision), silently; e.g. an A/B run reusing one "
+    "jitted step compares XLA with itself."))
+def test_enabling_plugin_applies_to_already_jitted_function(keys):
+  mesh = mesh_1d(4)
+  x = put(normal(keys(), (16, 32), "float32"), mesh, P("x", None))
+  w = put(normal(keys(), (32, 16), "float32"), mesh, P(None, "x"))
+  f = jax.jit(lambda x, w: cm.dot_general(x, w, DN_LAST(2),
+                                          out_sharding=P(None, "x")))
+  with jax.set_mesh(mesh):
+    with cm.config_context(enabled=False):
+      f(x, w)
+    with cm.config_context(enabled=True, impl="ring"):
+      text = f.lower(x, w).compile().as_text()
+  assert [d.rewritten for d in cm.decisions()] == [True]
+  assert "collective-permute" in text

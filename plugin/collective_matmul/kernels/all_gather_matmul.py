@@ -26,29 +26,15 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from collective_matmul.kernels import common
 from collective_matmul.kernels import tuning
 
 AllGatherMatmulConfig = tuning.AllGatherMatmulConfig
 
 
-def _num_sms() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None)
-  if device is not None and getattr(device, "num_cores", None):
-    return device.num_cores
-  return jax.devices()[0].core_count
-
-
-def _peer_id(axis_name, index):
-  """Device id of `index` along `axis_name`, other mesh coordinates kept."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if len(getattr(mesh, "axis_names", ())) > 1:
-    return {axis_name: index}
-  return index
-
-
 def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
-                 axis_size, config: AllGatherMatmulConfig, m_shard, k, n):
+                 axis_size, config: AllGatherMatmulConfig, m_shard, k, n,
+                 rows_per_batch):
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   dtype = lhs_local_ref.dtype
   out_dtype = out_ref.dtype
@@ -57,23 +43,18 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   m_iters, n_iters, k_iters = m_shard // cta_tile_m, n // cta_tile_n, k // tile_k
   per_sender, num_senders, send_gap = tuning.send_plan(
       k_iters, n_iters, config.spread_sends, config.send_gap)
-  swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                plgpu.SwizzleTransform(swizzle))
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
-  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
-  out_transforms = (
-      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
-      plgpu.SwizzleTransform(out_swizzle))
+  out_transforms = common.swizzled(out_dtype, epi_n)
   split_m = config.wg_dimension == "m"
   ring = axis_size > 1
 
   wg_idx = lax.axis_index("wg")
   if ring:
-    dev = lax.axis_index(axis_name)
-    send_to = (dev if config.loopback_for_timing
-               else lax.rem(dev + axis_size - 1, axis_size))
-    peer_scratch = plgpu.remote_ref(scratch_ref, _peer_id(axis_name, send_to))
+    dev, send_to = common.ring_neighbours(axis_name, axis_size)
+    if config.loopback_for_timing:
+      send_to = dev
+    peer_scratch = plgpu.remote_ref(scratch_ref, common.peer_id(axis_name,
+                                                                send_to))
     # arrived[s, i]: senders whose slice of row block i for step s + 1 landed.
     arrived = pl.get_global(
         plgpu.SemaphoreType.REGULAR((axis_size - 1, m_iters)))
@@ -81,25 +62,12 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     dev = 0
 
   def make_pipeline(body, compute_context, n_idx):
-    rotate = lambda kk: tuning.k_block(kk, n_idx, k_iters, per_sender,
-                                       send_gap)
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(k_iters,),
-        memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, rotate(kk)),
-                            transforms=transforms, memory_space=plgpu.SMEM,
-                            delay_release=1),
-            plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (rotate(kk), 0),
-                            transforms=transforms, memory_space=plgpu.SMEM,
-                            delay_release=1),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
+    return common.matmul_pipeline(
+        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
+        tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
-    )
+        k_order=lambda kk: tuning.k_block(kk, n_idx, k_iters, per_sender,
+                                          send_gap))
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(ignore, ignore, jnp.int32(0)).get_allocations(
@@ -123,7 +91,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
           in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
           config.grid_tile_width)
       source = tuning.source_device(dev, step, axis_size)
-      out_rows = pl.ds(source * m_shard + m_idx * cta_tile_m, cta_tile_m)
+      out_rows = pl.ds(
+          tuning.output_row(m_idx * cta_tile_m, source, axis_size,
+                            rows_per_batch), cta_tile_m)
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
       wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
       wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
@@ -183,7 +153,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
           def _announce():
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             pl.semaphore_signal(arrived.at[step, m_idx],
-                                device_id=_peer_id(axis_name, send_to))
+                                device_id=common.peer_id(axis_name, send_to))
         plgpu.wgmma_wait(1)
         return acc_ref
 
@@ -212,7 +182,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
                           config: AllGatherMatmulConfig | None = None,
-                          out_dtype=None):
+                          out_dtype=None, rows_per_batch: int | None = None,
+                          return_gathered: bool = False):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
@@ -224,9 +195,18 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     axis_name: mesh axis of the ring (its devices must be NVLink peers).
     config: tiling; None picks one for the shape (`tuning.select_config`).
     out_dtype: result dtype: lhs's (default) or float32.
+    rows_per_batch: when lhs is `[b, s, k]` gathered on `s` and flattened to
+      `[b * s, k]`, pass `s`: the result is then written directly in the
+      `[b, D * s, n]` order (flattened), with no transposes. Needs `s` to be
+      a multiple of the CTA tile rows (see `supports_rows_per_batch`).
+
+    return_gathered: also return `all_gather(lhs)` `[D, m, k]` (blocks in
+      axis-index order), assembled from the shards the ring delivered, so a
+      backward pass need not gather again.
 
   Returns:
-    `[D * m, n]`, device blocks in axis-index order.
+    `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
+    the flattened `[b, D * s, n]`; with `return_gathered` a pair.
   """
   if lhs.ndim != 2 or rhs.ndim != 2:
     raise ValueError(f"expected 2-D lhs and rhs, got {lhs.shape}, {rhs.shape}")
@@ -243,11 +223,19 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     raise ValueError(f"out_dtype {out_dtype} must be {lhs.dtype} or float32")
   axis_size = lax.axis_size(axis_name)
   if config is None:
-    config = tuning.select_config(m, k, n, lhs.dtype, axis_size)
+    config = tuning.select_config(m, k, n, lhs.dtype, axis_size,
+                                    out_dtype=out_dtype)
   smem = config.smem_bytes(jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
   if smem > tuning.SMEM_BYTES:
     raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
                      f"than the {tuning.SMEM_BYTES} a Hopper block has")
+  if rows_per_batch is not None:
+    if m % rows_per_batch or rows_per_batch % config.cta_tile_m:
+      raise ValueError(
+          f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
+          f"multiple of the CTA tile rows {config.cta_tile_m}")
+  else:
+    rows_per_batch = m + tuning.padding(config, m, k, n).m
   pad = tuning.padding(config, m, k, n)
   if pad.any:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
@@ -259,22 +247,21 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     # Receive buffer: slot s holds the shard used at ring step s + 1.
     out_types.append(
         jax.ShapeDtypeStruct((axis_size - 1, m_shard, k_pad), lhs.dtype))
-  kernel = plgpu.kernel(
+  kernel = common.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
-                        k=k_pad, n=n_pad),
-      out_type=out_types,
-      grid=(_num_sms(),),
-      grid_names=("cluster_grid",),
-      cluster=(1,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  out = kernel(lhs, rhs)[0]
+                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch),
+      out_types)
+  results = kernel(lhs, rhs)
+  out = results[0]
   if pad.m or pad.n:
     out = out.reshape(axis_size, m_shard, n_pad)[:, :m, :n]
     out = out.reshape(axis_size * m, n)
-  return out
+  if not return_gathered:
+    return out
+  # Slot s of the scratch holds shard (d + s + 1) % D: rotate into order.
+  held = lhs[None] if axis_size == 1 else jnp.concatenate(
+      [lhs[None], results[1]], axis=0)
+  if axis_size > 1:
+    held = jnp.roll(held, lax.axis_index(axis_name), axis=0)
+  return out, held[:, :m, :k]

@@ -169,17 +169,32 @@ def _candidates():
                                 epi_tile_m=64, epi_tile_n=64)
 
 
+def fit_shared_memory(config: AllGatherMatmulConfig, dtype,
+                      out_dtype=None) -> AllGatherMatmulConfig | None:
+  """`config` with as many pipeline stages (<= its own) as fit, or None."""
+  itemsize = np.dtype(dtype).itemsize
+  out_itemsize = np.dtype(out_dtype or dtype).itemsize
+  for stages in range(config.max_concurrent_steps, 1, -1):
+    fitted = dataclasses.replace(config, max_concurrent_steps=stages)
+    if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
+      return fitted
+  return None
+
+
 def select_config(m: int, k: int, n: int, dtype, axis_size: int,
-                  num_sms: int = 132) -> AllGatherMatmulConfig:
+                  num_sms: int = 132, out_dtype=None) -> AllGatherMatmulConfig:
   """A tile configuration for local shards `m x k` and `k x n`.
 
   Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`), else
   picks by a heuristic: the largest CTA tile that needs the least padding and
-  still gives at least half the SMs work across the ring.
+  still gives at least half the SMs work across the ring. Pipeline depth is
+  reduced where a float32 output's epilogue buffers would not fit.
   """
   cached = load_cached_config(m, k, n, dtype, axis_size)
   if cached is not None:
-    return cached
+    fitted = fit_shared_memory(cached, dtype, out_dtype)
+    if fitted is not None:
+      return fitted
 
   def score(cfg: AllGatherMatmulConfig):
     pad = padding(cfg, m, k, n)
@@ -190,7 +205,9 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
     area = cfg.cta_tile_m * cfg.cta_tile_n
     return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
 
-  return min(_candidates(), key=score)
+  fitting = [c for c in map(lambda c: fit_shared_memory(c, dtype, out_dtype),
+                            _candidates()) if c is not None]
+  return min(fitting, key=score)
 
 
 def cache_path() -> str:
@@ -295,6 +312,34 @@ def k_block(kk, n_idx, k_iters: int, per: int, gap: int):
 def last_send_step(n_idx, k_iters: int, per: int, gap: int):
   """Pipeline step of a tile's last send (negative when it sends nothing)."""
   return (sender_share(n_idx, k_iters, per) - 1) * gap
+
+
+def output_row(local_row, source, axis_size: int, rows_per_batch: int):
+  """Output row of `local_row` of device `source`'s shard.
+
+  The shard is `[b, s]` rows flattened (s = rows_per_batch); the output is
+  `[b, D * s]` flattened, so a row tile within one b stays contiguous.
+  """
+  from jax import lax
+  batch = lax.div(local_row, rows_per_batch)
+  within = lax.rem(local_row, rows_per_batch)
+  return (batch * axis_size + source) * rows_per_batch + within
+
+
+def supports_rows_per_batch(config: AllGatherMatmulConfig, m: int,
+                            rows_per_batch: int) -> bool:
+  """Whether the kernel can write `[b, D * s, n]` directly for this shard."""
+  return m % rows_per_batch == 0 and rows_per_batch % config.cta_tile_m == 0
+
+
+def reduce_scatter_block(device, step, axis_size: int):
+  """Row block whose partial sum device `device` works on at ring step `step`.
+
+  (device - step - 1) mod D: the sum for block j starts at device j + 1 and
+  moves one device on per step, ending complete on device j at step D - 1.
+  """
+  from jax import lax
+  return lax.rem(device - step - 1 + 2 * axis_size, axis_size)
 
 
 def source_device(device, step, axis_size):

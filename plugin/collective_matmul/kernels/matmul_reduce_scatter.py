@@ -1,0 +1,229 @@
+"""Matmul-reduce-scatter for Hopper in Pallas Mosaic GPU.
+
+`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)` over a
+mesh axis of D devices joined by NVLink, run inside `shard_map`: x holds all
+rows and this device's slice of the contraction, w the matching rows of the
+weight. A ring: at step s device d computes the partial product of row block
+(d - s - 1) mod D, adds the partial sum device d - 1 computed for that block
+one step earlier, and sends the sum on to device d + 1 (TMA stores from the
+epilogue's shared memory straight into the peer's buffer, one semaphore per
+output tile), so after D steps device d holds the full sum of its own block.
+Partial sums travel in the output dtype (as NCCL's reduce-scatter does) and
+are accumulated in float32 registers within a device; each hop adds
+in the output dtype. One persistent loop covers the tiles
+of all D steps; a tile waits only for its own partial sum. No NVLink
+multicast / multimem.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from collective_matmul.kernels import common
+from collective_matmul.kernels import tuning
+
+MatmulReduceScatterConfig = tuning.AllGatherMatmulConfig
+
+
+def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
+                 config, m_block, k, n):
+  scratch_ref = maybe_scratch[0] if maybe_scratch else None
+  dtype, out_dtype = x_ref.dtype, out_ref.dtype
+  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+  cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
+  m_iters, n_iters, k_iters = m_block // cta_tile_m, n // cta_tile_n, k // tile_k
+  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+  split_m = config.wg_dimension == "m"
+  ring = axis_size > 1
+  wg_idx = lax.axis_index("wg")
+  if ring:
+    dev = lax.axis_index(axis_name)
+    send_to = lax.rem(dev + 1, axis_size)
+    peer_scratch = plgpu.remote_ref(scratch_ref,
+                                    common.peer_id(axis_name, send_to))
+    # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
+    # sum reached this device's scratch slot s.
+    landed = pl.get_global(plgpu.SemaphoreType.REGULAR(
+        (axis_size - 1, m_iters, n_iters)))
+  else:
+    dev = 0
+
+  def make_pipeline(body, compute_context):
+    return common.matmul_pipeline(
+        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
+        tile_k=tile_k, k_iters=k_iters, dtype=dtype,
+        max_concurrent_steps=config.max_concurrent_steps)
+
+  ignore = lambda *_, **__: None
+  allocs = make_pipeline(ignore, ignore).get_allocations(
+      x_ref.at[pl.ds(0, cta_tile_m), :], w_ref.at[:, pl.ds(0, cta_tile_n)])
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=allocs,
+      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype,
+                          transforms=common.swizzled(out_dtype, epi_n)),
+      received=plgpu.Barrier(num_barriers=4),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem, received):
+    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
+                   collective_axes="cluster_grid")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      step, in_step = tuning.tile_coordinates(linear, m_iters, n_iters)
+      m_idx, n_idx = plgpu.planar_snake(
+          in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
+          config.grid_tile_width)
+      block = tuning.reduce_scatter_block(dev, step, axis_size)
+      tile_rows = pl.ds(m_idx * cta_tile_m, cta_tile_m)
+      cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+      wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
+      wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
+
+      def epilogue_tile(acc, mi, ni, slot, receive):
+        epi = (pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n))
+        part = acc[mi * epi_m:(mi + 1) * epi_m, ni * epi_n:(ni + 1) * epi_n]
+        if receive:
+          barrier = received.at[wg_idx * 2 + slot]
+          plgpu.copy_gmem_to_smem(
+              scratch_ref.at[step - 1, tile_rows, cta_n].at[wg_m, wg_n]
+              .at[epi], out_smem.at[wg_idx, slot], barrier)
+          plgpu.barrier_wait(barrier)
+          out_smem[wg_idx, slot] += part
+        else:
+          out_smem[wg_idx, slot] = part
+        plgpu.commit_smem()
+        return epi
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...].astype(out_dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+          def run_epilogue(receive, store):
+            for mi in range(tile_m // epi_m):
+              for ni in range(tile_n // epi_n):
+                slot = (mi * (tile_n // epi_n) + ni) % 2
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                epi = epilogue_tile(acc, mi, ni, slot, receive)
+                store(out_smem.at[wg_idx, slot], epi)
+
+          def to_output(src, epi):
+            plgpu.copy_smem_to_gmem(
+                src, out_ref.at[tile_rows, cta_n].at[wg_m, wg_n].at[epi])
+
+          def to_peer(src, epi):
+            plgpu.copy_smem_to_gmem(
+                src, peer_scratch.at[step, tile_rows, cta_n].at[wg_m, wg_n]
+                .at[epi])
+
+          if not ring:
+            run_epilogue(False, to_output)
+            return
+
+          @pl.when(step > 0)
+          def _wait_partial():
+            pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
+                              decrement=False)
+
+          @pl.when(step == 0)
+          def _first():
+            run_epilogue(False, to_peer)
+
+          @pl.when((step > 0) & (step < axis_size - 1))
+          def _middle():
+            run_epilogue(True, to_peer)
+
+          @pl.when(step == axis_size - 1)
+          def _last():
+            run_epilogue(True, to_output)
+
+          @pl.when(step < axis_size - 1)
+          def _announce():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            pl.semaphore_signal(landed.at[step, m_idx, n_idx],
+                                device_id=common.peer_id(axis_name, send_to))
+
+      def mma_body(_, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        plgpu.wgmma_wait(1)
+        return acc_ref
+
+      make_pipeline(mma_body, compute_context)(
+          x_ref.at[pl.ds(block * m_block + m_idx * cta_tile_m, cta_tile_m), :],
+          w_ref.at[:, cta_n],
+          allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None):
+  """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
+
+  Call inside `shard_map` over `axis_name`.
+
+  Args:
+    x: `[D * m, k]`: all rows, this device's slice of the contraction;
+      bf16 or f16.
+    w: `[k, n]`, the matching rows of the weight, same dtype.
+    axis_name: mesh axis of the ring (NVLink peers).
+    config: tiling (an `AllGatherMatmulConfig`; the send fields are unused);
+      None picks one.
+    out_dtype: result (and partial-sum) dtype: x's (default) or float32.
+
+  Returns:
+    `[m, n]`: row block `axis_index` of the sum over devices.
+  """
+  if x.ndim != 2 or w.ndim != 2:
+    raise ValueError(f"expected 2-D x and w, got {x.shape}, {w.shape}")
+  rows, k = x.shape
+  k2, n = w.shape
+  if k != k2:
+    raise ValueError(f"contraction sizes differ: x k={k}, w k={k2}")
+  if x.dtype != w.dtype:
+    raise ValueError(f"dtypes differ: x {x.dtype}, w {w.dtype}")
+  if jnp.dtype(x.dtype).name not in tuning.KERNEL_DTYPES:
+    raise ValueError(f"dtype {x.dtype} is not supported (bf16 or f16)")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+    raise ValueError(f"out_dtype {out_dtype} must be {x.dtype} or float32")
+  axis_size = lax.axis_size(axis_name)
+  if rows % axis_size:
+    raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
+                     f"devices of {axis_name!r}")
+  m = rows // axis_size
+  if config is None:
+    config = tuning.select_config(m, k, n, x.dtype, axis_size,
+                                    out_dtype=out_dtype)
+  smem = config.smem_bytes(jnp.dtype(x.dtype).itemsize, out_dtype.itemsize)
+  if smem > tuning.SMEM_BYTES:
+    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
+                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
+  pad = tuning.padding(config, m, k, n)
+  if pad.any:
+    x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
+    x = x.reshape(axis_size * (m + pad.m), k + pad.k)
+    w = jnp.pad(w, ((0, pad.k), (0, pad.n)))
+  m_block, k_pad = m + pad.m, k + pad.k
+  n_pad = w.shape[1]
+  out_types = [jax.ShapeDtypeStruct((m_block, n_pad), out_dtype)]
+  if axis_size > 1:
+    # Receive buffer: slot s holds the partial sum for ring step s + 1.
+    out_types.append(
+        jax.ShapeDtypeStruct((axis_size - 1, m_block, n_pad), out_dtype))
+  kernel = common.kernel_call(
+      functools.partial(_ring_kernel, axis_name=axis_name,
+                        axis_size=axis_size, config=config, m_block=m_block,
+                        k=k_pad, n=n_pad),
+      out_types)
+  out = kernel(x, w)[0]
+  return out[:m, :n] if (pad.m or pad.n) else out

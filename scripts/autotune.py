@@ -1,0 +1,36 @@
+"""Autotune the Hopper kernel for local shapes and cache the winners on disk.
+
+  python scripts/autotune.py --shapes 1024/4096/4096 4096/8192/7168 [--dtype bf16]
+
+Uses all local GPUs as one ring (mesh axis "x"). The cache path is
+$COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
+"""
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from collective_matmul import kernels
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="+", required=True,
+                      help="local m/k/n per shard")
+  parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+  parser.add_argument("--iterations", type=int, default=5)
+  args = parser.parse_args()
+  dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16}[args.dtype]
+  mesh = jax.make_mesh((jax.device_count(),), ("x",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  for text in args.shapes:
+    m, k, n = map(int, text.split("/"))
+    best, results = kernels.autotune(m, k, n, dtype, mesh, "x",
+                                     iterations=args.iterations)
+    for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:
+      print(f"{text}: {us:8.1f} us  {name}")
+    print(f"{text}: best {best}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,296 @@
+"""kernels/tuning.py: config selection, applicability and the ring schedule.
+
+All pure Python (or jnp on CPU): nothing here needs a GPU.
+"""
+import dataclasses
+import itertools
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from collective_matmul.kernels import tuning
+
+Config = tuning.AllGatherMatmulConfig
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  """Never read (or write) the user's real autotune cache."""
+  path = tmp_path / "cache" / "tuning.json"
+  monkeypatch.setenv("COLLECTIVE_MATMUL_TUNING_CACHE", str(path))
+  return path
+
+
+# ------------------------------------------------------------ select_config
+
+SHAPES = [(m, k, n) for m in (64, 128, 200, 1024, 4096)
+          for k in (64, 1000, 4096) for n in (64, 384, 4096)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("axis_size", [1, 2, 8])
+def test_select_config_fits_shared_memory(dtype, axis_size):
+  itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+  for m, k, n in SHAPES:
+    config = tuning.select_config(m, k, n, dtype, axis_size)
+    assert isinstance(config, Config)
+    assert config.smem_bytes(itemsize, itemsize) <= tuning.SMEM_BYTES, (
+        m, k, n, config)
+
+
+def test_select_config_fits_shared_memory_for_float32_output():
+  for m, k, n in SHAPES:
+    for dtype in ("bfloat16", "float16"):
+      for axis_size in (1, 2, 8):
+        applies = tuning.unsupported_reason(
+            platform="gpu", device_kind="NVIDIA H100", dtype=dtype, m=m, k=k,
+            n=n, axis_size=axis_size, out_dtype="float32") is None
+        assert applies
+        config = tuning.select_config(m, k, n, dtype, axis_size,
+                                      out_dtype="float32")
+        smem = config.smem_bytes(np.dtype(jnp.dtype(dtype)).itemsize, 4)
+        assert smem <= tuning.SMEM_BYTES, (m, k, n, dtype, axis_size, config,
+                                           smem)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_select_config_wastes_no_more_than_the_best_candidate(m, k, n):
+  """Padding waste of the pick is minimal among the candidates it has."""
+  waste = lambda cfg: (((m + tuning.padding(cfg, m, k, n).m) *
+                        (n + tuning.padding(cfg, m, k, n).n)) / (m * n) - 1)
+  chosen = tuning.select_config(m, k, n, "bfloat16", 8)
+  best = min(waste(c) for c in tuning._candidates())  # pylint: disable=protected-access
+  assert waste(chosen) <= best + 1e-3
+
+
+def test_smem_bytes_counts_pipeline_and_epilogue():
+  config = Config(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=3,
+                  wg_dimension="m")
+  pipeline = 3 * 64 * (256 + 64) * 2
+  epilogue = 4 * 64 * 64 * 4
+  assert config.smem_bytes(2, 4) == pipeline + epilogue + tuning.SMEM_RESERVE
+
+
+@pytest.mark.parametrize("wg", ["m", "n"])
+def test_cta_tile_doubles_along_warpgroup_dimension(wg):
+  config = Config(tile_m=64, tile_n=128, wg_dimension=wg)
+  assert config.cta_tile_m == 64 * (2 if wg == "m" else 1)
+  assert config.cta_tile_n == 128 * (2 if wg == "n" else 1)
+
+
+# ------------------------------------------------------------------ padding
+
+
+@pytest.mark.parametrize("config", [Config(), Config(wg_dimension="m"),
+                                    Config(tile_m=64, tile_n=64, tile_k=32)])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (100, 70, 300), (128, 64, 256),
+                                   (129, 65, 257), (4096, 4096, 4096)])
+def test_padding_rounds_up_to_the_tiles(config, m, k, n):
+  pad = tuning.padding(config, m, k, n)
+  for size, extra, tile in ((m, pad.m, config.cta_tile_m),
+                            (k, pad.k, config.tile_k),
+                            (n, pad.n, config.cta_tile_n)):
+    assert 0 <= extra < tile
+    assert (size + extra) % tile == 0
+  assert pad.any == (m % config.cta_tile_m != 0 or k % config.tile_k != 0
+                     or n % config.cta_tile_n != 0)
+
+
+# -------------------------------------------------------- unsupported_reason
+
+OK = dict(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+          dtype="bfloat16", m=1024, k=1024, n=1024, axis_size=8)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"device_kind": "NVIDIA H200"}, {"platform": "cuda"},
+    {"dtype": "float16"}, {"out_dtype": "float32"},
+    {"out_dtype": "bfloat16"}, {"axis_size": 1},
+], ids=str)
+def test_unsupported_reason_none_on_hopper(changes):
+  assert tuning.unsupported_reason(**{**OK, **changes}) is None
+
+
+@pytest.mark.parametrize("changes,offender", [
+    ({"platform": "cpu"}, "'cpu'"),
+    ({"platform": "rocm"}, "'rocm'"),
+    ({"device_kind": "NVIDIA A100-SXM4-80GB"}, "A100"),
+    ({"device_kind": "NVIDIA GeForce RTX 4090"}, "RTX 4090"),
+    ({"dtype": "float32"}, "float32"),
+    ({"dtype": "int8"}, "int8"),
+    ({"out_dtype": "float16"}, "preferred_element_type float16"),
+    ({"m": 0}, "m=0"),
+    ({"axis_size": 0}, "axis size 0"),
+], ids=str)
+def test_unsupported_reason_names_the_offender(changes, offender):
+  reason = tuning.unsupported_reason(**{**OK, **changes})
+  assert reason is not None and offender in reason
+
+
+# ----------------------------------------------------- the ring's k schedule
+
+SCHEDULES = list(itertools.product(
+    (1, 2, 3, 4, 5, 8, 16, 17, 64),  # k_iters
+    (1, 2, 3, 4, 7, 8, 20, 70),  # n_iters (more than k_iters included)
+    (1, 2, 3, 4, 16),  # requested send_gap
+))
+
+
+# One grid shape for every case (sliced after), so eager ops compile once.
+_MAX_K = max(c[0] for c in SCHEDULES)
+_MAX_N = max(c[1] for c in SCHEDULES)
+_KK, _N_IDX = np.meshgrid(np.arange(_MAX_K, dtype=np.int32),
+                          np.arange(_MAX_N, dtype=np.int32))
+
+
+def _schedule(k_iters, n_iters, spread, gap):
+  per, senders, gap = tuning.send_plan(k_iters, n_iters, spread, gap)
+  scalar = lambda v: jnp.asarray(v, jnp.int32)
+  blocks = np.asarray(tuning.k_block(
+      jnp.asarray(_KK), jnp.asarray(_N_IDX), scalar(k_iters), scalar(per),
+      scalar(gap)))[:n_iters, :k_iters]
+  share = np.asarray(tuning.sender_share(
+      jnp.arange(_MAX_N, dtype=jnp.int32), scalar(k_iters),
+      scalar(per)))[:n_iters]
+  kk, n_idx = _KK[:n_iters, :k_iters], _N_IDX[:n_iters, :k_iters]
+  return per, senders, gap, kk, n_idx, blocks, share
+
+
+@pytest.mark.parametrize("spread", [True, False], ids=["spread", "seed"])
+def test_k_block_is_a_permutation_and_sends_cover_k_once(spread):
+  for k_iters, n_iters, requested_gap in SCHEDULES:
+    case = (k_iters, n_iters, requested_gap)
+    per, senders, gap, kk, n_idx, blocks, share = _schedule(
+        k_iters, n_iters, spread, requested_gap)
+    assert 1 <= gap <= max(requested_gap, 1), case
+    # Every n-tile's pipeline visits each k block exactly once.
+    for row in blocks:
+      assert sorted(row.tolist()) == list(range(k_iters)), (case, row)
+    # Senders are the first `senders` n-tiles, and all of them exist.
+    assert 1 <= senders <= n_iters, case
+    assert ((share > 0) == (np.arange(n_iters) < senders)).all(), case
+    assert share.sum() == k_iters, case
+    # The blocks sent (at steps 0, gap, 2 gap, ... < share) cover k once.
+    sends_now = (kk % gap == 0) & (kk // gap < share[n_idx])
+    sent = sorted(blocks[sends_now].tolist())
+    assert sent == list(range(k_iters)), (case, sent)
+    # Every send happens inside the pipeline, the last at last_send_step.
+    last = np.asarray(tuning.last_send_step(
+        jnp.arange(_MAX_N, dtype=jnp.int32), jnp.int32(k_iters),
+        jnp.int32(per), jnp.int32(gap)))[:n_iters]
+    last_seen = np.where(sends_now, kk, -1).max(axis=1)
+    senders_mask = share > 0
+    np.testing.assert_array_equal(last[senders_mask],
+                                  last_seen[senders_mask], err_msg=str(case))
+    assert (last_seen < k_iters).all(), case
+    assert (last[~senders_mask] < 0).all(), case
+    assert not sends_now[~senders_mask].any(), case
+    if not spread:
+      assert (per, senders, gap) == (k_iters, 1, 1)
+      assert (blocks[0] == np.arange(k_iters)).all()
+
+
+def test_spread_sends_start_each_slice_early():
+  """With spread, every sender's first step loads its own first block."""
+  for k_iters, n_iters, gap in SCHEDULES:
+    per, senders, gap, _, _, blocks, _ = _schedule(k_iters, n_iters, True,
+                                                   gap)
+    assert per == math.ceil(k_iters / n_iters)
+    for j in range(senders):
+      assert blocks[j, 0] == j * per
+
+
+def test_tile_coordinates_orders_steps_outermost():
+  for axis_size, m_iters, n_iters in ((1, 1, 1), (2, 3, 5), (8, 4, 2)):
+    linear = jnp.arange(axis_size * m_iters * n_iters, dtype=jnp.int32)
+    step, in_step = map(np.asarray, tuning.tile_coordinates(
+        linear, m_iters, n_iters))
+    np.testing.assert_array_equal(step * m_iters * n_iters + in_step, linear)
+    assert (0 <= in_step).all() and (in_step < m_iters * n_iters).all()
+    assert (np.diff(step) >= 0).all() and step.max() == axis_size - 1
+
+
+def test_source_device_visits_every_shard_once():
+  for axis_size in (1, 2, 3, 4, 8):
+    dev = jnp.arange(axis_size, dtype=jnp.int32)
+    seen = np.stack([np.asarray(tuning.source_device(
+        dev, jnp.full_like(dev, s), axis_size)) for s in range(axis_size)])
+    for row in list(seen) + list(seen.T):  # Per step and per device.
+      assert sorted(row.tolist()) == list(range(axis_size))
+    np.testing.assert_array_equal(seen[0], np.arange(axis_size))
+
+
+# ------------------------------------------------------------ autotune cache
+
+
+def test_cache_roundtrip(_private_cache):
+  config = Config(tile_m=64, tile_n=128, send_gap=4, spread_sends=False)
+  assert tuning.cache_path() == str(_private_cache)
+  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+                                   "NVIDIA H100") is None
+  path = tuning.store_cached_config(config, 256, 512, 1024, "bfloat16", 8,
+                                    "NVIDIA H100")
+  assert path == str(_private_cache) and _private_cache.exists()
+  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+                                   "NVIDIA H100") == config
+  # Any other key misses.
+  for other in ((256, 512, 1024, "float16", 8, "NVIDIA H100"),
+                (256, 512, 1024, "bfloat16", 4, "NVIDIA H100"),
+                (256, 512, 2048, "bfloat16", 8, "NVIDIA H100"),
+                (256, 512, 1024, "bfloat16", 8, "NVIDIA H200")):
+    assert tuning.load_cached_config(*other) is None, other
+
+
+def test_cache_keeps_earlier_entries(_private_cache):
+  first, second = Config(tile_m=64), Config(tile_n=64, send_gap=2)
+  tuning.store_cached_config(first, 1, 2, 3, "bfloat16", 2, "H100")
+  tuning.store_cached_config(second, 4, 5, 6, "bfloat16", 2, "H100")
+  assert tuning.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") == first
+  assert tuning.load_cached_config(4, 5, 6, "bfloat16", 2, "H100") == second
+  table = json.loads(_private_cache.read_text())
+  assert len(table) == 2
+
+
+def test_select_config_prefers_cached_entry():
+  m, k, n = 512, 1024, 2048
+  heuristic = tuning.select_config(m, k, n, "bfloat16", 4)
+  heuristic_d2 = tuning.select_config(m, k, n, "bfloat16", 2)
+  tuned = dataclasses.replace(
+      heuristic, send_gap=heuristic.send_gap + 3,
+      max_concurrent_steps=heuristic.max_concurrent_steps + 1)
+  tuning.store_cached_config(tuned, m, k, n, "bfloat16", 4)  # Local kind.
+  assert tuning.select_config(m, k, n, "bfloat16", 4) == tuned
+  assert tuning.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
+
+
+def test_corrupt_cache_is_ignored(_private_cache):
+  _private_cache.parent.mkdir(parents=True)
+  _private_cache.write_text("{not json")
+  assert tuning.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") is None
+
+
+# --------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tile_m", 96), ("tile_m", 0), ("tile_n", -64), ("epi_tile_m", 32),
+    ("epi_tile_n", 100), ("tile_k", 48), ("tile_k", 256),
+    ("max_concurrent_steps", 1), ("wg_dimension", "k"),
+    ("grid_minor_dim", "x"), ("send_gap", 0), ("grid_tile_width", 0),
+])
+def test_kernel_config_validation_names_the_field(field, value):
+  with pytest.raises(ValueError, match=f"{field}="):
+    Config(**{field: value})
+
+
+def test_kernel_config_epilogue_must_divide_tile():
+  with pytest.raises(ValueError, match="epilogue tile"):
+    Config(tile_m=64, epi_tile_m=128)
+
+
+def test_kernel_config_json_roundtrip():
+  config = Config(tile_m=64, wg_dimension="m", send_gap=3)
+  assert Config(**json.loads(json.dumps(config.to_json()))) == config
