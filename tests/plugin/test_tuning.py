@@ -260,7 +260,7 @@ def test_select_config_prefers_cached_entry():
   heuristic_d2 = tuning.select_config(m, k, n, "bfloat16", 2)
   tuned = dataclasses.replace(
       heuristic, send_gap=heuristic.send_gap + 3,
-      max_concurrent_steps=heuristic.max_concurrent_steps + 1)
+      max_concurrent_steps=heuristic.max_concurrent_steps - 1)
   tuning.store_cached_config(tuned, m, k, n, "bfloat16", 4)  # Local kind.
   assert tuning.select_config(m, k, n, "bfloat16", 4) == tuned
   assert tuning.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
