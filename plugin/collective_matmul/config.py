@@ -33,7 +33,11 @@ class CollectiveMatmulConfig:
     save_gathered: memory policy for the weight gradients. True: keep the
       operand a collective matmul gathers (the all-gather pattern's
       activation, from forward to backward: D x its memory) so dw needs no
-      second all-gather; False: gather again in the backward (time).
+      second all-gather (the default: the same memory XLA's autodiff of
+      all-gather + dot keeps); False: gather again in the backward (time).
+    reduce_scatter_kernel: let `auto` (and the backward of a `pallas`
+      all-gather matmul) use the Hopper matmul-reduce-scatter kernel; off:
+      XLA's matmul + reduce-scatter there instead.
   """
 
   enabled: bool = False
@@ -41,7 +45,8 @@ class CollectiveMatmulConfig:
   strict: bool = False
   fallback_impl: str = "ring"
   bidirectional: bool = True
-  save_gathered: bool = False
+  save_gathered: bool = True
+  reduce_scatter_kernel: bool = True
 
   def __post_init__(self):
     if self.impl not in IMPLEMENTATIONS:

@@ -17,9 +17,14 @@ _STRICT = flags.DEFINE_bool(
     "Raise instead of falling back when a detected pattern cannot be served.")
 
 _SAVE_GATHERED = flags.DEFINE_bool(
-    "collective_matmul_save_gathered", False,
+    "collective_matmul_save_gathered", True,
     "Keep the gathered activations from the forward for the weight gradient "
-    "(D x their memory) instead of all-gathering them again in the backward.")
+    "(D x their memory, as XLA's own autodiff of all-gather + dot keeps) "
+    "instead of all-gathering them again in the backward.")
+_RS_KERNEL = flags.DEFINE_bool(
+    "collective_matmul_reduce_scatter_kernel", True,
+    "Use the Hopper matmul-reduce-scatter kernel where it applies (auto, and "
+    "the backward of the all-gather kernel); off: XLA's instead.")
 
 
 def config_from_flags() -> config_lib.CollectiveMatmulConfig:
@@ -34,4 +39,5 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
         "app.run() / FLAGS(argv), or build CollectiveMatmulConfig directly.")
   return config_lib.CollectiveMatmulConfig(
       enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
-      save_gathered=_SAVE_GATHERED.value)
+      save_gathered=_SAVE_GATHERED.value,
+      reduce_scatter_kernel=_RS_KERNEL.value)

@@ -42,22 +42,58 @@ def _check_all_gather_operands(x, w, gather_axis, impl):
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
-def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, precision,
-                              preferred_element_type, kernel_config):
-  # The kernel works on 2-D row blocks: bring the gathered dimension first so
-  # every device's shard is a contiguous block of rows, then restore.
+def _rows_layout(x, axis, config_for):
+  """How the 2-D kernels see `x[..., k]` split on dimension `axis`.
+
+  Returns (x2d, rows_per_batch, moved): with `moved` False, x2d is a free
+  reshape and `rows_per_batch` rows (dimension `axis` and everything after
+  it but k) form one contiguous run per leading index, which the kernels
+  address directly; else `axis` was moved first (a transposing copy), for
+  shapes whose runs do not fit the tiles.
+  """
+  rows = math.prod(x.shape[:-1])
+  per_batch = math.prod(x.shape[axis:-1])
+  config = config_for(rows)
+  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
+  if axis == 0 or tuning.supports_rows_per_batch(config, rows, per_batch):
+    return x.reshape(rows, x.shape[-1]), per_batch, False
+  moved = jnp.moveaxis(x, axis, 0)
+  return moved.reshape(rows, x.shape[-1]), None, True
+
+
+def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
+                              preferred_element_type, kernel_config,
+                              return_gathered=False):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
-  del precision  # bf16/f16 operands always accumulate in f32 on the MMA unit.
   axis_size = lax.axis_size(axis_name)
-  moved = jnp.moveaxis(x, gather_axis, 0)
-  lead_shape = moved.shape[:-1]
-  x2d = moved.reshape(math.prod(lead_shape), x.shape[-1])
-  out2d = kernels.all_gather_lhs_matmul(
-      x2d, w, axis_name, config=kernel_config,
+  config_for = lambda rows: kernel_config or kernels.select_config(
+      rows, x.shape[-1], w.shape[1], x.dtype, axis_size,
       out_dtype=preferred_element_type)
-  out = out2d.reshape((axis_size * lead_shape[0],) + lead_shape[1:]
-                      + (w.shape[1],))
-  return jnp.moveaxis(out, 0, gather_axis)
+  x2d, per_batch, moved = _rows_layout(x, gather_axis, config_for)
+  result = kernels.all_gather_lhs_matmul(
+      x2d, w, axis_name, config=config_for(x2d.shape[0]),
+      out_dtype=preferred_element_type, rows_per_batch=per_batch,
+      return_gathered=return_gathered)
+  out2d, held = result if return_gathered else (result, None)
+  gathered_shape = list(x.shape)
+  gathered_shape[gather_axis] *= axis_size
+  if moved:
+    lead = jnp.moveaxis(x, gather_axis, 0).shape[:-1]
+    out = out2d.reshape((axis_size * lead[0],) + lead[1:] + (w.shape[1],))
+    out = jnp.moveaxis(out, 0, gather_axis)
+  else:
+    out = out2d.reshape(tuple(gathered_shape[:-1]) + (w.shape[1],))
+  if not return_gathered:
+    return out
+  # held[t] is device t's shard as the kernel saw it (2-D rows).
+  if moved:
+    lead = jnp.moveaxis(x, gather_axis, 0).shape
+    held = held.reshape((axis_size,) + lead)
+    gathered = jnp.moveaxis(held, 1, gather_axis + 1)
+  else:
+    held = held.reshape((axis_size,) + x.shape)
+    gathered = jnp.moveaxis(held, 0, gather_axis)
+  return out, gathered.reshape(gathered_shape)
 
 
 def _check_reduce_scatter_operands(x, w, scatter_axis, impl):
@@ -74,32 +110,44 @@ def _check_reduce_scatter_operands(x, w, scatter_axis, impl):
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
-def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, precision,
+def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
                                   preferred_element_type, kernel_config):
-  # Scattered dimension first: row block d of the result is then a
-  # contiguous block of rows of the 2-D problem.
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
-  del precision  # bf16/f16 operands always accumulate in f32 on the MMA unit.
-  kernel = getattr(kernels, "matmul_reduce_scatter", None)
-  if kernel is None:
-    raise NotImplementedError(
-        "impl='pallas' for matmul_reduce_scatter needs "
-        "collective_matmul.kernels.matmul_reduce_scatter, which this build "
-        "does not have; use impl='ring' or 'baseline'")
   axis_size = lax.axis_size(axis_name)
   if x.shape[scatter_axis] % axis_size:
     raise ValueError(
         f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
         f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
         f"over {axis_name!r}")
+  config_for = lambda rows: kernel_config or kernels.select_config(
+      rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
+      out_dtype=preferred_element_type)
+  # Runs of rows are addressed per row block, so they must fit one block.
+  per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
+  rows = math.prod(x.shape[:-1])
+  config = config_for(rows)
+  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
+  out_shape = list(x.shape[:-1]) + [w.shape[1]]
+  out_shape[scatter_axis] //= axis_size
+  if scatter_axis == 0 or tuning.supports_rows_per_batch(
+      config, rows // axis_size, per_block):
+    out2d = kernels.matmul_reduce_scatter(
+        x.reshape(rows, x.shape[-1]), w, axis_name, config=config,
+        out_dtype=preferred_element_type, rows_per_batch=per_block)
+    return out2d.reshape(out_shape)
   moved = jnp.moveaxis(x, scatter_axis, 0)
-  lead_shape = moved.shape[:-1]
-  x2d = moved.reshape(math.prod(lead_shape), x.shape[-1])
-  out2d = kernel(x2d, w, axis_name, config=kernel_config,
-                 out_dtype=preferred_element_type)
-  out = out2d.reshape((lead_shape[0] // axis_size,) + lead_shape[1:]
-                      + (w.shape[1],))
+  lead = moved.shape[:-1]
+  out2d = kernels.matmul_reduce_scatter(
+      moved.reshape(rows, x.shape[-1]), w, axis_name, config=config,
+      out_dtype=preferred_element_type)
+  out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
   return jnp.moveaxis(out, 0, scatter_axis)
+
+
+def _check_backward_impl(backward_impl):
+  if backward_impl is not None and backward_impl not in ALL_GATHER_IMPLS:
+    raise ValueError(f"backward_impl={backward_impl!r} is not None or one of "
+                     f"{ALL_GATHER_IMPLS}")
 
 
 _KERNEL_NAMES = {"all_gather": "all_gather_lhs_matmul",
@@ -156,13 +204,11 @@ def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
         x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
         precision=precision, preferred_element_type=preferred_element_type,
         return_gathered=return_gathered)
-  out = _pallas_all_gather_matmul(x, w, axis_name, gather_axis, precision,
-                                  preferred_element_type, kernel_config)
-  if not return_gathered:
-    return out
-  # The kernel keeps the shards it received in its own scratch only, so the
-  # gathered activation costs one XLA all-gather next to it.
-  return out, lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
+  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
+  # has nothing to select. The kernel hands back the shards it received.
+  return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
+                                   preferred_element_type, kernel_config,
+                                   return_gathered)
 
 
 def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
@@ -178,8 +224,7 @@ def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
         bidirectional=bidirectional, precision=precision,
         preferred_element_type=preferred_element_type)
   return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                       precision, preferred_element_type,
-                                       kernel_config)
+                                       preferred_element_type, kernel_config)
 
 
 def _times_weight_transposed(dy, w):
@@ -189,11 +234,12 @@ def _times_weight_transposed(dy, w):
   return dy.astype(dtype), w.T.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp,
+                   nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
                        precision, preferred_element_type, kernel_config,
-                       save_gathered=False):
-  del save_gathered  # Only changes what the forward keeps for the backward.
+                       save_gathered=False, bwd_impl=None):
+  del save_gathered, bwd_impl  # Only matter to the backward.
   return _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
                                  bidirectional, precision,
                                  preferred_element_type, kernel_config)
@@ -201,7 +247,8 @@ def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
 
 def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
                            precision, preferred_element_type, kernel_config,
-                           save_gathered=False):
+                           save_gathered=False, bwd_impl=None):
+  del bwd_impl
   if save_gathered:
     out, gathered = _all_gather_matmul_impl(
         x, w, axis_name, gather_axis, impl, bidirectional, precision,
@@ -215,7 +262,7 @@ def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
 
 def _all_gather_matmul_bwd(axis_name, gather_axis, impl, bidirectional,
                            precision, preferred_element_type, kernel_config,
-                           save_gathered, residuals, dy):
+                           save_gathered, bwd_impl, residuals, dy):
   # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T), the other
   # collective matmul, and dw = all_gather(x).T @ dy, from the gathered
   # activation the forward saved or after gathering it again.
@@ -225,8 +272,8 @@ def _all_gather_matmul_bwd(axis_name, gather_axis, impl, bidirectional,
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx = _matmul_reduce_scatter_impl(
       dy_b, w_t, axis_name, gather_axis,
-      backward_impl(impl, "reduce_scatter", dy_b.dtype), bidirectional,
-      precision, x_dtype, None)
+      backward_impl(bwd_impl or impl, "reduce_scatter", dy_b.dtype),
+      bidirectional, precision, x_dtype, None)
   gathered = x_or_gathered if save_gathered else lax.all_gather(
       x_or_gathered, axis_name, axis=gather_axis, tiled=True)
   dw = _contract_leading(gathered, dy, precision).astype(w.dtype)
@@ -236,11 +283,12 @@ def _all_gather_matmul_bwd(axis_name, gather_axis, impl, bidirectional,
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp,
+                   nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, bidirectional,
                            precision, preferred_element_type, kernel_config,
-                           save_gathered):
-  del save_gathered  # Only changes how the backward gets all_gather(dy).
+                           save_gathered, bwd_impl=None):
+  del save_gathered, bwd_impl  # Only matter to the backward.
   return _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
                                      bidirectional, precision,
                                      preferred_element_type, kernel_config)
@@ -249,7 +297,8 @@ def _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, bidirectional,
 def _matmul_reduce_scatter_fwd(x, w, axis_name, scatter_axis, impl,
                                bidirectional, precision,
                                preferred_element_type, kernel_config,
-                               save_gathered):
+                               save_gathered, bwd_impl=None):
+  del bwd_impl
   out = _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
                                     bidirectional, precision,
                                     preferred_element_type, kernel_config)
@@ -258,7 +307,8 @@ def _matmul_reduce_scatter_fwd(x, w, axis_name, scatter_axis, impl,
 
 def _matmul_reduce_scatter_bwd(axis_name, scatter_axis, impl, bidirectional,
                                precision, preferred_element_type,
-                               kernel_config, save_gathered, residuals, dy):
+                               kernel_config, save_gathered, bwd_impl,
+                               residuals, dy):
   # y = reduce_scatter(x @ w), so dx = all_gather(dy) @ w.T, the all-gather
   # collective matmul, and dw = x.T @ all_gather(dy), from the gathered dy
   # that one assembled or after a second all-gather.
@@ -267,7 +317,8 @@ def _matmul_reduce_scatter_bwd(axis_name, scatter_axis, impl, bidirectional,
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx_and_maybe_gathered = _all_gather_matmul_impl(
       dy_b, w_t, axis_name, scatter_axis,
-      backward_impl(impl, "all_gather", dy_b.dtype), bidirectional,
+      backward_impl(bwd_impl or impl, "all_gather", dy_b.dtype),
+      bidirectional,
       precision, x.dtype, None, return_gathered=save_gathered)
   if save_gathered:
     dx, gathered_dy = dx_and_maybe_gathered
@@ -286,7 +337,8 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       impl: str = "ring", bidirectional: bool = True,
                       precision=None, preferred_element_type=None,
-                      kernel_config=None, save_gathered: bool = False):
+                      kernel_config=None, save_gathered: bool = False,
+                      backward_impl: str | None = None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
@@ -310,20 +362,25 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
       held until the backward (`pallas` also adds an XLA all-gather to the
       forward, as the kernel does not hand back the shards it received).
       False: the backward gathers `x` again (one more all-gather's time).
+    backward_impl: implementation of the backward's collective matmul
+      (dx = reduce_scatter(dy @ w.T)); None: `impl`, with `pallas` made
+      `ring` where that kernel is missing or the dtype is not bf16/f16.
 
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
   _check_all_gather_operands(x, w, gather_axis, impl)
+  _check_backward_impl(backward_impl)
   return _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
                             precision, preferred_element_type, kernel_config,
-                            save_gathered)
+                            save_gathered, backward_impl)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           impl: str = "ring", bidirectional: bool = True,
                           precision=None, preferred_element_type=None,
-                          kernel_config=None, save_gathered: bool = False):
+                          kernel_config=None, save_gathered: bool = False,
+                          backward_impl: str | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
   tiled=True)`, overlapped.
 
@@ -353,13 +410,17 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
       all-gather matmul assembles for dw too (D x the cotangent shard's
       memory while dw is computed). False: gather dy again for dw (one more
       all-gather's time).
+    backward_impl: implementation of the backward's collective matmul
+      (dx = all_gather(dy) @ w.T); None: `impl`, with `pallas` made `ring`
+      where that kernel is missing or the dtype is not bf16/f16.
 
   Returns:
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
     over the axis, on device d.
   """
   _check_reduce_scatter_operands(x, w, scatter_axis, impl)
+  _check_backward_impl(backward_impl)
   return _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl,
                                 bidirectional, precision,
                                 preferred_element_type, kernel_config,
-                                save_gathered)
+                                save_gathered, backward_impl)

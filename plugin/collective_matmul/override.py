@@ -48,12 +48,15 @@ class Decision:
   axis: str | None = None
   mode: str | None = None  # "explicit" or "logical" sharding information.
   pattern: str | None = None  # "all_gather" or "reduce_scatter" if matched.
+  backward_impl: str | None = None  # The backward's collective matmul.
 
   def __str__(self):
     what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
             else "left to XLA")
     if self.rewritten and self.pattern == "reduce_scatter":
       what += " (matmul + reduce-scatter)"
+    if self.rewritten and self.backward_impl not in (None, self.impl):
+      what += f", backward {self.backward_impl}"
     why = f" ({self.reason})" if self.reason else ""
     return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
             f"{self.dtype}: {what}{why}")
@@ -137,70 +140,74 @@ def _logical_specs(lhs, rhs, lhs_axes, rhs_axes):
           patterns.normalize_spec(nn.logical_to_mesh_axes(rhs_axes), rhs.ndim))
 
 
+def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
+  """Per-device (rows, k, n) of the 2-D problem the kernels would see.
+
+  rows: the lhs shard's rows before the all-gather, or after the
+  reduce-scatter; k: the local contraction; n: the local output columns.
+  """
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  local = lambda shape, spec, d: shape[d] // math.prod(
+      sizes[a] for a in spec[d])
+  k = math.prod(local(lhs.shape, match.lhs_spec, d) for d in lhs_contract)
+  rows = math.prod(local(lhs.shape, match.lhs_spec, d)
+                   for d in range(lhs.ndim) if d not in lhs_contract)
+  n = math.prod(local(rhs.shape, match.rhs_spec, d)
+                for d in range(rhs.ndim) if d not in rhs_contract)
+  if isinstance(match, patterns.ReduceScatterMatch):
+    rows //= match.axis_size  # Rows are full before the scatter.
+  return rows, k, n
+
+
+def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
+                    out_dtype):
+  """(reason the Hopper kernel is not used, impl to use instead) or None."""
+  if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
+    return "the reduce-scatter kernel is switched off", "baseline"
+  check = (tuning.unsupported_reason if collective == "all_gather"
+           else tuning.unsupported_reason_reduce_scatter)
+  reason = check(platform=_platform(mesh), device_kind=_device_kind(mesh),
+                 dtype=dtype, m=rows, k=k, n=n, axis_size=axis_size,
+                 out_dtype=out_dtype)
+  if reason is not None:
+    return f"pallas unavailable: {reason}", cfg.fallback_impl
+  small = tuning.too_small_reason(rows, k, n, dtype, axis_size,
+                                  _num_cores(mesh))
+  if small is not None:
+    return small, "baseline"
+  return None
+
+
 def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
                  preferred_element_type):
-  """(impl, reason, is_fallback) for a matched pattern."""
-  if isinstance(match, patterns.ReduceScatterMatch):
-    return _choose_reduce_scatter_impl(cfg, match, lhs, rhs, dimension_numbers,
-                                       mesh, preferred_element_type)
-  if cfg.impl in ("ring", "baseline"):
-    return cfg.impl, "", False
-  (lhs_contract, rhs_contract), _ = dimension_numbers
-  k = math.prod(lhs.shape[d] for d in lhs_contract)
-  m = math.prod(lhs.shape) // k // match.axis_size
-  n = math.prod(rhs.shape) // k // match.axis_size
-  reason = tuning.unsupported_reason(
-      platform=_platform(mesh), device_kind=_device_kind(mesh),
-      dtype=lhs.dtype, m=m, k=k, n=n, axis_size=match.axis_size,
-      out_dtype=preferred_element_type)
-  if reason is not None:
-    return (cfg.fallback_impl, f"pallas unavailable: {reason}",
-            cfg.impl == "pallas")
-  if cfg.impl == "auto":
-    small = tuning.too_small_reason(m, k, n, lhs.dtype, match.axis_size,
-                                    _num_cores(mesh))
-    if small is not None:
-      return "baseline", small, False
-  return "pallas", "", False
+  """(impl, backward impl, reason, is_fallback) for a matched pattern.
 
-
-def _choose_reduce_scatter_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
-                                preferred_element_type):
-  """(impl, reason, is_fallback) for a matched reduce-scatter pattern.
-
-  `pallas` only where `kernels.tuning.unsupported_reason_reduce_scatter`
-  (same keywords as `unsupported_reason`; per-shard m = rows after the
-  scatter, k = the local contraction, n = the local output columns) exists
-  and says the kernel applies.
+  `auto` takes the Hopper kernel where it applies and pays off, else XLA's
+  collective + GEMM for small problems on Hopper, else `fallback_impl`; an
+  explicit `pallas` that cannot be served is a fallback (strict raises). The
+  backward's collective matmul (the other pattern, transposed shapes) is
+  chosen the same way.
   """
+  collective = ("reduce_scatter"
+                if isinstance(match, patterns.ReduceScatterMatch)
+                else "all_gather")
+  other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
+  rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
+  out_dtype = preferred_element_type or lhs.dtype
   if cfg.impl in ("ring", "baseline"):
-    return cfg.impl, "", False
-  check = getattr(tuning, "unsupported_reason_reduce_scatter", None)
-  if check is None:
-    reason = "no reduce-scatter kernel"
-  else:
-    (lhs_contract, rhs_contract), _ = dimension_numbers
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    local = lambda shape, spec, d: shape[d] // math.prod(
-        sizes[a] for a in spec[d])
-    k = math.prod(local(lhs.shape, match.lhs_spec, d) for d in lhs_contract)
-    m = math.prod(local(lhs.shape, match.lhs_spec, d)
-                  for d in range(lhs.ndim) if d not in lhs_contract)
-    n = math.prod(local(rhs.shape, match.rhs_spec, d)
-                  for d in range(rhs.ndim) if d not in rhs_contract)
-    reason = check(
-        platform=_platform(mesh), device_kind=_device_kind(mesh),
-        dtype=lhs.dtype, m=m // match.axis_size, k=k, n=n,
-        axis_size=match.axis_size, out_dtype=preferred_element_type)
-  if reason is not None:
-    return (cfg.fallback_impl, f"pallas unavailable: {reason}",
-            cfg.impl == "pallas")
-  if cfg.impl == "auto":
-    small = tuning.too_small_reason(m, k, n, lhs.dtype, match.axis_size,
-                                    _num_cores(mesh))
-    if small is not None:
-      return "baseline", small, False
-  return "pallas", "", False
+    return cfg.impl, cfg.impl, "", False
+  verdict = _kernel_verdict(cfg, collective, rows, k, n, lhs.dtype,
+                            match.axis_size, mesh, preferred_element_type)
+  if verdict is not None and (cfg.impl == "auto" or
+                              verdict[0].startswith("pallas unavailable")):
+    reason, impl = verdict
+    return impl, impl, reason, cfg.impl == "pallas"
+  # The backward multiplies the cotangent (the forward's output dtype) by
+  # w.T: the other collective, with k and n swapped.
+  back = _kernel_verdict(cfg, other, rows, n, k, out_dtype, match.axis_size,
+                         mesh, None)
+  return "pallas", ("pallas" if back is None else back[1]), "", False
 
 
 def _platform(mesh) -> str:
@@ -223,8 +230,8 @@ def _device_kind(mesh) -> str:
   return jax.devices()[0].device_kind
 
 
-def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
-             preferred_element_type):
+def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
+             precision, preferred_element_type):
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
   rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
@@ -241,7 +248,7 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
         x, w, match.axis, gather_axis=gather_axis, impl=impl,
         bidirectional=cfg.bidirectional, precision=precision,
         preferred_element_type=preferred_element_type,
-        save_gathered=cfg.save_gathered)
+        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
     return y.reshape(y.shape[:-1] + rhs_free_shape)
 
   to_p = patterns.spec_to_partition_spec
@@ -252,7 +259,7 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg, precision,
 
 
 def _rewrite_reduce_scatter(lhs, rhs, dimension_numbers, match, mesh, impl,
-                            cfg, precision, preferred_element_type):
+                            bwd_impl, cfg, precision, preferred_element_type):
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
   rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
@@ -269,7 +276,7 @@ def _rewrite_reduce_scatter(lhs, rhs, dimension_numbers, match, mesh, impl,
         x, w, match.axis, scatter_axis=match.out_scatter_dim, impl=impl,
         bidirectional=cfg.bidirectional, precision=precision,
         preferred_element_type=preferred_element_type,
-        save_gathered=cfg.save_gathered)
+        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
     return y.reshape(y.shape[:-1] + rhs_free_shape)
 
   to_p = patterns.spec_to_partition_spec
@@ -375,12 +382,13 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
   if lhs_k != rhs_k:
     return left_to_xla(f"contraction sizes differ: lhs {lhs_k}, rhs {rhs_k}",
                        fallback=True)
-  impl, reason, is_fallback = _choose_impl(
+  impl, bwd_impl, reason, is_fallback = _choose_impl(
       cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
   _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis,
-                 pattern=pattern), cfg.strict, is_fallback)
+                 pattern=pattern, backward_impl=bwd_impl), cfg.strict,
+          is_fallback)
   rewrite = _rewrite if pattern == "all_gather" else _rewrite_reduce_scatter
-  out = rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, cfg,
+  out = rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
                 precision, preferred_element_type)
   if out_sharding is not None and mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)

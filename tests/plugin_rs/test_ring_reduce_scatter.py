@@ -102,15 +102,3 @@ def test_op_rejects_bad_arguments_by_name(bad, match):
   x, w = jnp.zeros((4, 8)), jnp.zeros((8, 2))
   with pytest.raises(ValueError, match=match):
     ops.matmul_reduce_scatter(x, w, "tensor", **bad)
-
-
-def test_pallas_without_kernel_says_so_or_needs_a_gpu(rng):
-  from collective_matmul import kernels
-  if hasattr(kernels, "matmul_reduce_scatter"):
-    pytest.skip("the reduce-scatter kernel exists; covered by tests/gpu")
-  mesh = utils.mesh(1, 2)
-  in_specs, out_spec = utils.reduce_scatter_specs(2, 0)
-  f = utils.sharded(ops.matmul_reduce_scatter, mesh, in_specs, out_spec,
-                    impl="pallas")
-  with pytest.raises(NotImplementedError, match="kernels.matmul_reduce_"):
-    f(jnp.zeros((4, 8)), jnp.zeros((8, 2)))

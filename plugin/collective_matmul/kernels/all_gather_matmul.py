@@ -229,14 +229,14 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
   if smem > tuning.SMEM_BYTES:
     raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
                      f"than the {tuning.SMEM_BYTES} a Hopper block has")
-  if rows_per_batch is not None:
-    if m % rows_per_batch or rows_per_batch % config.cta_tile_m:
+  pad = tuning.padding(config, m, k, n)
+  if rows_per_batch is not None and rows_per_batch != m:
+    if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
       raise ValueError(
           f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
           f"multiple of the CTA tile rows {config.cta_tile_m}")
   else:
-    rows_per_batch = m + tuning.padding(config, m, k, n).m
-  pad = tuning.padding(config, m, k, n)
+    rows_per_batch = m + pad.m
   if pad.any:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
     rhs = jnp.pad(rhs, ((0, pad.k), (0, pad.n)))

@@ -31,7 +31,7 @@ MatmulReduceScatterConfig = tuning.AllGatherMatmulConfig
 
 
 def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
-                 config, m_block, k, n):
+                 config, m_block, k, n, rows_per_batch):
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   dtype, out_dtype = x_ref.dtype, out_ref.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -159,14 +159,17 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         return acc_ref
 
       make_pipeline(mma_body, compute_context)(
-          x_ref.at[pl.ds(block * m_block + m_idx * cta_tile_m, cta_tile_m), :],
+          x_ref.at[pl.ds(tuning.output_row(m_idx * cta_tile_m, block,
+                                           axis_size, rows_per_batch),
+                         cta_tile_m), :],
           w_ref.at[:, cta_n],
           allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None):
+def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
+                          rows_per_batch: int | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
@@ -179,6 +182,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None):
     config: tiling (an `AllGatherMatmulConfig`; the send fields are unused);
       None picks one.
     out_dtype: result (and partial-sum) dtype: x's (default) or float32.
+    rows_per_batch: when x is `[b, D * s, k]` scattered on the middle
+      dimension and flattened, pass `s`: row block d is then rows
+      `[:, d * s:(d + 1) * s]` and the result is `[b, s, n]` flattened, with
+      no transposes. `s` must be a multiple of the CTA tile rows.
 
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
@@ -209,6 +216,16 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None):
     raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
                      f"than the {tuning.SMEM_BYTES} a Hopper block has")
   pad = tuning.padding(config, m, k, n)
+  if rows_per_batch is not None and rows_per_batch != m:
+    if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
+      raise ValueError(
+          f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
+          f"multiple of the CTA tile rows {config.cta_tile_m}")
+    if pad.any:
+      raise ValueError(f"rows_per_batch needs k={k} and n={n} to fit the "
+                       f"tiles of {config}")
+  else:
+    rows_per_batch = m + pad.m
   if pad.any:
     x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
     x = x.reshape(axis_size * (m + pad.m), k + pad.k)
@@ -223,7 +240,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None):
   kernel = common.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_block=m_block,
-                        k=k_pad, n=n_pad),
+                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch),
       out_types)
   out = kernel(x, w)[0]
   return out[:m, :n] if (pad.m or pad.n) else out
