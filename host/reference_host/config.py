@@ -49,6 +49,8 @@ SUPPORTED_VALUES = {
 }
 SUPPORTED_MLP_ACTIVATIONS = (["silu", "linear"],)
 MESH_AXES = ("data", "tensor")
+# The logical axis of each fused layer's slot dim (see model.py).
+FUSED_SLOT_AXES = {"fused_mlp": "num_activations", "fused_qkv": "qkv"}
 
 
 def default_model_dir(base_config_path: str) -> str:
@@ -248,6 +250,16 @@ def _validate_values(values: Mapping[str, Any]) -> None:
       if axis is not None and axis not in MESH_AXES:
         raise ConfigError(f"logical_axis_rules: rule {rule!r} names mesh axis "
                           f"{axis!r}, not one of {list(MESH_AXES)}")
+  # The fused layers' slot dims (gate/linear, query/key/value) must stay
+  # unsharded: each device computes whole heads / MLP features of every slot,
+  # and the plugin's rewrite needs the kernel's other output dims unsharded.
+  for key, logical in FUSED_SLOT_AXES.items():
+    mapped = [rule[1] for rule in values["logical_axis_rules"]
+              if rule[0] == logical]
+    if values[key] and mapped and mapped[0] not in (None, [], ()):
+      raise ConfigError(
+          f"{key}=True needs logical axis {logical!r} unsharded, but "
+          f"logical_axis_rules maps it to {mapped[0]!r}")
 
   tensor = (values["ici_tensor_parallelism"]
             * values["ici_tensor_sequence_parallelism"])

@@ -9,9 +9,11 @@ M mlp, V vocab.
 """
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Sequence
 
 import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -32,6 +34,21 @@ ATTENTION_AXES = ("activation_batch", "activation_length", "activation_heads",
 ATTENTION_OUTPUT_AXES = ("activation_batch", "activation_length",
                          "activation_heads")
 
+
+def takes_out_axes(logical_dot_general) -> bool:
+  """Whether a plugin's `logical_dot_general` takes the result's logical axes
+  (`out_axes`), which its matmul + reduce-scatter pattern needs."""
+  try:
+    return "out_axes" in inspect.signature(logical_dot_general).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+# Read once, at import. Older plugins lack the keyword; the output
+# projections then go without it (and `collective_output_projections` changes
+# nothing).
+PLUGIN_TAKES_OUT_AXES = takes_out_axes(cm.logical_dot_general)
+
 _PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
               "highest": lax.Precision.HIGHEST}
 
@@ -46,22 +63,87 @@ def _layer_name(module: nn.Module, child: str) -> str:
   return "/".join((*module.scope.path, child))
 
 
+def _output_projection_axes(cfg: config_lib.Config
+                            ) -> tuple[str, ...] | None:
+  """The logical axes the output projections (attention `out`, MLP `wo`) are
+  told their result has, so the plugin can run them as matmul +
+  reduce-scatter onto the sequence-sharded block activations; None (the
+  plugin decides from the operands alone) with
+  `collective_output_projections: False`."""
+  return BLOCK_ACTIVATION_AXES if cfg.collective_output_projections else None
+
+
+def _kernel_init(kernel_axes: Sequence[str]):
+  """Fan-in truncated normal over the kernel's first (contracting) dim, the
+  rest being output features, logically partitioned as `kernel_axes`. For a
+  2-D kernel this is `nn.Dense`'s variance scaling exactly."""
+  return nn.with_logical_partitioning(
+      nn.initializers.variance_scaling(
+          1.0, "fan_in", "truncated_normal", in_axis=0,
+          out_axis=tuple(range(1, len(kernel_axes)))),
+      tuple(kernel_axes))
+
+
+def _plugin_dot_general(parent: nn.Module, name: str,
+                        lhs_axes: Sequence[str], kernel_axes: Sequence[str],
+                        out_axes: Sequence[str] | None = None):
+  """The plugin's dot_general for layer `name` of `parent`, told the axes of
+  both operands and, when given and the plugin takes them, of the result."""
+  kwargs = {}
+  if out_axes is not None and PLUGIN_TAKES_OUT_AXES:
+    kwargs["out_axes"] = tuple(out_axes)
+  return cm.logical_dot_general(tuple(lhs_axes), tuple(kernel_axes),
+                                name=_layer_name(parent, name), **kwargs)
+
+
 def _projection(parent: nn.Module, name: str, features: int,
-                lhs_axes: tuple[str, ...], kernel_axes: tuple[str, ...]
-                ) -> nn.Dense:
+                lhs_axes: tuple[str, ...], kernel_axes: tuple[str, ...],
+                out_axes: tuple[str, ...] | None = None) -> nn.Dense:
   """A bias-free dense layer of `parent` whose kernel carries `kernel_axes`
-  and whose matmul goes through the plugin, told both operands' axes."""
+  and whose matmul goes through the plugin, told both operands' axes (and
+  the result's, `out_axes`, where the plugin takes them)."""
   cfg = parent.config
   return nn.Dense(
       features=features, use_bias=False,
       dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.weight_dtype),
       precision=_PRECISION[cfg.matmul_precision],
-      kernel_init=nn.with_logical_partitioning(
-          nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
-          kernel_axes),
-      dot_general=cm.logical_dot_general(
-          lhs_axes, kernel_axes, name=_layer_name(parent, name)),
+      kernel_init=_kernel_init(kernel_axes),
+      dot_general=_plugin_dot_general(parent, name, lhs_axes, kernel_axes,
+                                      out_axes),
       name=name)
+
+
+class FusedProjection(nn.Module):
+  """A bias-free projection of the last input dim onto several output dims,
+  kernel [E, *features] (MaxText's `DenseGeneral` with a tuple of features,
+  for its fused layers), in ONE `dot_general` through the plugin.
+
+  The kernel is created in its final shape (not reshaped from 2-D as
+  `nn.DenseGeneral` does, which a logically partitioned initialiser does not
+  survive under a mesh). Exactly one of `kernel_axes[1:]` may map to a mesh
+  axis: the plugin flattens the kernel's output dims and needs the others
+  unsharded.
+  """
+  config: config_lib.Config
+  features: tuple[int, ...]
+  lhs_axes: tuple[str, ...]
+  kernel_axes: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    if len(self.kernel_axes) != 1 + len(self.features):
+      raise ValueError(f"kernel_axes {self.kernel_axes} do not match the "
+                       f"kernel [{x.shape[-1]}, *{self.features}]")
+    kernel = self.param("kernel", _kernel_init(self.kernel_axes),
+                        (x.shape[-1], *self.features),
+                        _dtype(cfg.weight_dtype))
+    x, kernel = flax_dtypes.promote_dtype(x, kernel, dtype=_dtype(cfg.dtype))
+    # The layer's own path already ends in its name.
+    dot_general = cm.logical_dot_general(
+        self.lhs_axes, self.kernel_axes, name="/".join(self.scope.path))
+    return dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                       precision=_PRECISION[cfg.matmul_precision])
 
 
 class RMSNorm(nn.Module):
@@ -104,6 +186,14 @@ class Attention(nn.Module):
   shape, which a logically partitioned initialiser cannot survive under a
   mesh. Sharding the fused dim over 'tensor' splits at head boundaries
   because the head count divides the tensor axis (checked in config).
+
+  With `fused_qkv`, one kernel `qkv_proj` [E, K, G + 2, D] (G = H / K query
+  heads per kv head) makes query, key and value in one matmul: for kv head k,
+  slots 0..G-1 are query heads k*G .. k*G+G-1, slot G its key head, slot G+1
+  its value head. The kv-head dim is the one sharded over 'tensor', so each
+  device holds whole kv groups: its query heads with the key and value heads
+  they attend with. (MaxText's kernel [E, 3, H, D] has no room for GQA; for
+  H == K this is the same kernel with its two middle dims swapped.)
   """
   config: config_lib.Config
 
@@ -113,12 +203,22 @@ class Attention(nn.Module):
     batch, length, _ = x.shape
     head_dim, kv_heads = cfg.head_dim, cfg.num_kv_heads
     q_features, kv_features = cfg.num_query_heads * head_dim, kv_heads * head_dim
-    query = _projection(self, "query", q_features, BLOCK_ACTIVATION_AXES,
-                        ("embed", "heads"))(x)
-    key = _projection(self, "key", kv_features, BLOCK_ACTIVATION_AXES,
-                      ("embed", "kv_heads"))(x)
-    value = _projection(self, "value", kv_features, BLOCK_ACTIVATION_AXES,
+    group = cfg.num_query_heads // kv_heads
+    if cfg.fused_qkv:
+      qkv = FusedProjection(
+          cfg, features=(kv_heads, group + 2, head_dim),
+          lhs_axes=BLOCK_ACTIVATION_AXES,
+          kernel_axes=("embed", "kv_heads", "qkv", "kv"),
+          name="qkv_proj")(x)  # [B, S, K, G + 2, D]
+      query = qkv[:, :, :, :group]
+      key, value = qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    else:
+      query = _projection(self, "query", q_features, BLOCK_ACTIVATION_AXES,
+                          ("embed", "heads"))(x)
+      key = _projection(self, "key", kv_features, BLOCK_ACTIVATION_AXES,
                         ("embed", "kv_heads"))(x)
+      value = _projection(self, "value", kv_features, BLOCK_ACTIVATION_AXES,
+                          ("embed", "kv_heads"))(x)
     query = nn.with_logical_constraint(
         query.reshape(batch, length, cfg.num_query_heads, head_dim),
         ATTENTION_AXES)
@@ -134,7 +234,6 @@ class Attention(nn.Module):
     key = apply_rope(key, positions, cfg.rope_min_timescale,
                      cfg.rope_max_timescale)
 
-    group = cfg.num_query_heads // kv_heads
     # [B, S, K, G, D]: each kv head serves `group` consecutive query heads.
     query = query.reshape(batch, length, kv_heads, group, head_dim)
     logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key,
@@ -147,24 +246,38 @@ class Attention(nn.Module):
     attended = nn.with_logical_constraint(
         attended.reshape(batch, length, q_features), ATTENTION_OUTPUT_AXES)
     return _projection(self, "out", cfg.emb_dim, ATTENTION_OUTPUT_AXES,
-                       ("heads", "embed"))(attended)
+                       ("heads", "embed"),
+                       out_axes=_output_projection_axes(cfg))(attended)
 
 
 class MlpBlock(nn.Module):
-  """Gated SiLU MLP: wo(silu(wi_0 x) * wi_1 x), MaxText's layer names."""
+  """Gated SiLU MLP: wo(silu(wi_0 x) * wi_1 x), MaxText's layer names.
+
+  With `fused_mlp`, MaxText's fused layout: one kernel `wi` [E, 2, M] with
+  axes ('embed', 'num_activations', 'mlp') and one matmul to [B, S, 2, M],
+  index 0 the gate, 1 the linear half.
+  """
   config: config_lib.Config
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    gate = _projection(self, "wi_0", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
+    if cfg.fused_mlp:
+      fused = FusedProjection(
+          cfg, features=(len(cfg.mlp_activations), cfg.mlp_dim),
+          lhs_axes=BLOCK_ACTIVATION_AXES,
+          kernel_axes=("embed", "num_activations", "mlp"), name="wi")(x)
+      gate, up = fused[:, :, 0], fused[:, :, 1]
+    else:
+      gate = _projection(self, "wi_0", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
+                         ("embed", "mlp"))(x)
+      up = _projection(self, "wi_1", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
                        ("embed", "mlp"))(x)
-    up = _projection(self, "wi_1", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
-                     ("embed", "mlp"))(x)
     hidden = nn.silu(gate) * up
     hidden = nn.with_logical_constraint(hidden, MLP_ACTIVATION_AXES)
     return _projection(self, "wo", cfg.emb_dim, MLP_ACTIVATION_AXES,
-                       ("mlp", "embed"))(hidden)
+                       ("mlp", "embed"),
+                       out_axes=_output_projection_axes(cfg))(hidden)
 
 
 class DecoderLayer(nn.Module):
