@@ -163,8 +163,6 @@ def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
 def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
                     out_dtype):
   """(reason the Hopper kernel is not used, impl to use instead) or None."""
-  if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
-    return "the reduce-scatter kernel is switched off", "baseline"
   check = (tuning.unsupported_reason if collective == "all_gather"
            else tuning.unsupported_reason_reduce_scatter)
   reason = check(platform=_platform(mesh), device_kind=_device_kind(mesh),
@@ -172,6 +170,8 @@ def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
                  out_dtype=out_dtype)
   if reason is not None:
     return f"pallas unavailable: {reason}", cfg.fallback_impl
+  if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
+    return "the reduce-scatter kernel is switched off", "baseline"
   small = tuning.too_small_reason(rows, k, n, dtype, axis_size,
                                   _num_cores(mesh))
   if small is not None:
