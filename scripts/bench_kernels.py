@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from collective_matmul.kernels.autotuning import kernel_time_us
 
 SHAPES = ["1024/4096/4096:bf16", "1024/4096/4096:f16", "2048/4096/4096:bf16",
           "4096/8192/7168:bf16", "8192/8192/14336:bf16",
@@ -50,27 +51,6 @@ def parse_shape(text):
   dims, _, dtype = text.partition(":")
   m, k, n = map(int, dims.split("/"))
   return m, k, n, dtype or "bf16"
-
-
-def kernel_time_us(f, *args, iterations=10):
-  """Median over iterations of sum over kernel names of min over devices."""
-  from jax.experimental.mosaic.gpu import profiler
-  out, timings = profiler.measure(f, aggregate=False,
-                                  iterations=iterations)(*args)
-  if timings and isinstance(timings[0], tuple):
-    timings = [timings]
-  per_iter = []
-  for kernels in timings:
-    best: dict[str, float] = {}
-    for name, ms in kernels:
-      best[name] = min(ms, best.get(name, float("inf")))
-    per_iter.append(sum(best.values()) * 1e3)
-  names = {}
-  for kernels in timings:
-    for name, ms in kernels:
-      names.setdefault(name, []).append(ms * 1e3)
-  breakdown = {name: round(statistics.median(v), 2) for name, v in names.items()}
-  return out, statistics.median(per_iter), breakdown
 
 
 def rel_error(out, ref):

@@ -28,17 +28,18 @@ ALL_GATHER_IMPLS = ("pallas", "ring", "baseline")
 REDUCE_SCATTER_IMPLS = ALL_GATHER_IMPLS
 
 
-def _check_all_gather_operands(x, w, gather_axis, impl):
-  if impl not in ALL_GATHER_IMPLS:
-    raise ValueError(f"impl={impl!r} is not one of {ALL_GATHER_IMPLS}")
+def _check_operands(x, w, axis, axis_arg, impl, impls):
+  """Validates a collective op's local operands; `axis` is `axis_arg`'s value."""
+  if impl not in impls:
+    raise ValueError(f"impl={impl!r} is not one of {impls}")
   if x.ndim < 2 or w.ndim != 2:
     raise ValueError(f"expected x[..., k] with ndim >= 2 and w[k, n], got "
                      f"x{x.shape} and w{w.shape}")
   if x.shape[-1] != w.shape[0]:
     raise ValueError(f"contraction sizes differ: x{x.shape} has k="
                      f"{x.shape[-1]}, w{w.shape} has k={w.shape[0]}")
-  if not 0 <= gather_axis < x.ndim - 1:
-    raise ValueError(f"gather_axis={gather_axis} must index one of the "
+  if not 0 <= axis < x.ndim - 1:
+    raise ValueError(f"{axis_arg}={axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
@@ -94,20 +95,6 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
     held = held.reshape((axis_size,) + x.shape)
     gathered = jnp.moveaxis(held, 0, gather_axis)
   return out, gathered.reshape(gathered_shape)
-
-
-def _check_reduce_scatter_operands(x, w, scatter_axis, impl):
-  if impl not in REDUCE_SCATTER_IMPLS:
-    raise ValueError(f"impl={impl!r} is not one of {REDUCE_SCATTER_IMPLS}")
-  if x.ndim < 2 or w.ndim != 2:
-    raise ValueError(f"expected x[..., k] with ndim >= 2 and w[k, n], got "
-                     f"x{x.shape} and w{w.shape}")
-  if x.shape[-1] != w.shape[0]:
-    raise ValueError(f"contraction sizes differ: x{x.shape} has k="
-                     f"{x.shape[-1]}, w{w.shape} has k={w.shape[0]}")
-  if not 0 <= scatter_axis < x.ndim - 1:
-    raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
-                     f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
 def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
@@ -369,7 +356,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
-  _check_all_gather_operands(x, w, gather_axis, impl)
+  _check_operands(x, w, gather_axis, "gather_axis", impl, ALL_GATHER_IMPLS)
   _check_backward_impl(backward_impl)
   return _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
                             precision, preferred_element_type, kernel_config,
@@ -418,7 +405,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
     over the axis, on device d.
   """
-  _check_reduce_scatter_operands(x, w, scatter_axis, impl)
+  _check_operands(x, w, scatter_axis, "scatter_axis", impl,
+                  REDUCE_SCATTER_IMPLS)
   _check_backward_impl(backward_impl)
   return _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl,
                                 bidirectional, precision,

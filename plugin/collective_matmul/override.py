@@ -162,20 +162,25 @@ def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
 
 def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
                     out_dtype):
-  """(reason the Hopper kernel is not used, impl to use instead) or None."""
+  """Why the Hopper kernel is not used, or None.
+
+  Returns (reason, impl to use instead, hard): `hard` when the kernel cannot
+  or may not run (an explicit `pallas` then falls back), else it would only
+  be slower (`auto` avoids it, an explicit `pallas` still runs it).
+  """
   check = (tuning.unsupported_reason if collective == "all_gather"
            else tuning.unsupported_reason_reduce_scatter)
   reason = check(platform=_platform(mesh), device_kind=_device_kind(mesh),
                  dtype=dtype, m=rows, k=k, n=n, axis_size=axis_size,
                  out_dtype=out_dtype)
   if reason is not None:
-    return f"pallas unavailable: {reason}", cfg.fallback_impl
+    return f"pallas unavailable: {reason}", cfg.fallback_impl, True
   if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
-    return "the reduce-scatter kernel is switched off", "baseline"
+    return "the reduce-scatter kernel is switched off", "baseline", True
   small = tuning.too_small_reason(rows, k, n, dtype, axis_size,
                                   _num_cores(mesh))
   if small is not None:
-    return small, "baseline"
+    return small, "baseline", False
   return None
 
 
@@ -199,10 +204,9 @@ def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
     return cfg.impl, cfg.impl, "", False
   verdict = _kernel_verdict(cfg, collective, rows, k, n, lhs.dtype,
                             match.axis_size, mesh, preferred_element_type)
-  if verdict is not None and (cfg.impl == "auto" or
-                              verdict[0].startswith("pallas unavailable")):
-    reason, impl = verdict
-    return impl, impl, reason, cfg.impl == "pallas"
+  if verdict is not None and (cfg.impl == "auto" or verdict[2]):
+    reason, impl, hard = verdict
+    return impl, impl, reason, cfg.impl == "pallas" and hard
   # The backward multiplies the cotangent (the forward's output dtype) by
   # w.T: the other collective, with k and n swapped.
   back = _kernel_verdict(cfg, other, rows, n, k, out_dtype, match.axis_size,
@@ -232,51 +236,28 @@ def _device_kind(mesh) -> str:
 
 def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
              precision, preferred_element_type):
+  """The matched `dot_general` as a collective op in a `shard_map`."""
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
   rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
-  gather_axis = lhs_free.index(match.lhs_gather_dim)
+  if isinstance(match, patterns.ReduceScatterMatch):
+    op = functools.partial(ops.matmul_reduce_scatter,
+                           scatter_axis=match.out_scatter_dim)
+  else:
+    op = functools.partial(ops.all_gather_matmul,
+                           gather_axis=lhs_free.index(match.lhs_gather_dim))
 
   def body(lhs_block, rhs_block):
     # Canonical form: x[free..., k] and w[k, n] (no-op transposes for Dense).
+    # Both sides flatten their local contracting dims in the same order.
     x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
     x = x.reshape(x.shape[:len(lhs_free)] + (-1,))
     w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
     rhs_free_shape = w.shape[len(rhs_contract):]
     w = w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1)
-    y = ops.all_gather_matmul(
-        x, w, match.axis, gather_axis=gather_axis, impl=impl,
-        bidirectional=cfg.bidirectional, precision=precision,
-        preferred_element_type=preferred_element_type,
-        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
-    return y.reshape(y.shape[:-1] + rhs_free_shape)
-
-  to_p = patterns.spec_to_partition_spec
-  return jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(to_p(match.lhs_spec), to_p(match.rhs_spec)),
-      out_specs=to_p(match.out_spec), check_vma=False)(lhs, rhs)
-
-
-def _rewrite_reduce_scatter(lhs, rhs, dimension_numbers, match, mesh, impl,
-                            bwd_impl, cfg, precision, preferred_element_type):
-  (lhs_contract, rhs_contract), _ = dimension_numbers
-  lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
-  rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
-
-  def body(lhs_block, rhs_block):
-    # Canonical form: x[free..., k] and w[k, n]. Both sides flatten their
-    # local contracting dims in the same order, so the k slices line up.
-    x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
-    x = x.reshape(x.shape[:len(lhs_free)] + (-1,))
-    w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
-    rhs_free_shape = w.shape[len(rhs_contract):]
-    w = w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1)
-    y = ops.matmul_reduce_scatter(
-        x, w, match.axis, scatter_axis=match.out_scatter_dim, impl=impl,
-        bidirectional=cfg.bidirectional, precision=precision,
-        preferred_element_type=preferred_element_type,
-        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
+    y = op(x, w, match.axis, impl=impl, bidirectional=cfg.bidirectional,
+           precision=precision, preferred_element_type=preferred_element_type,
+           save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
     return y.reshape(y.shape[:-1] + rhs_free_shape)
 
   to_p = patterns.spec_to_partition_spec
@@ -387,9 +368,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
   _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis,
                  pattern=pattern, backward_impl=bwd_impl), cfg.strict,
           is_fallback)
-  rewrite = _rewrite if pattern == "all_gather" else _rewrite_reduce_scatter
-  out = rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
-                precision, preferred_element_type)
+  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl,
+                 cfg, precision, preferred_element_type)
   if out_sharding is not None and mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

@@ -1,10 +1,12 @@
-"""What the GPU suite can run on here."""
+"""What the GPU suite can run on here, and the helpers its tests share."""
 import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def _hopper_count():
@@ -19,3 +21,24 @@ def _hopper_count():
 HOPPER_COUNT = _hopper_count()
 
 
+
+
+def ring_mesh(d):
+  """A 1-D Explicit mesh "x" over the first d devices."""
+  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def poison(nbytes):
+  """Leave NaN in freed device memory, so an unwritten output shows up."""
+  for dev in jax.local_devices():
+    junk = jax.device_put(jnp.full((nbytes // 4 + 4096,), jnp.nan), dev)
+    junk.block_until_ready()
+    del junk
+
+
+def rel_error(out, ref):
+  """||out - ref|| / ||ref||, failing on any unwritten or non-finite value."""
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
+  return np.linalg.norm(out - ref) / np.linalg.norm(ref)

@@ -14,6 +14,9 @@ import collective_matmul as cm
 from collective_matmul import kernels
 
 from gpu_env import HOPPER_COUNT
+from gpu_env import poison as _poison
+from gpu_env import rel_error as _rel
+from gpu_env import ring_mesh as _mesh
 
 CONFIGS = [
     None,  # Chosen by select_config.
@@ -25,17 +28,6 @@ CONFIGS = [
 ]
 
 
-def _mesh(d):
-  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
-                       axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def _poison(nbytes):
-  """Leave NaN in freed device memory, so an unwritten output shows up."""
-  for dev in jax.local_devices():
-    junk = jax.device_put(jnp.full((nbytes // 4 + 4096,), jnp.nan), dev)
-    junk.block_until_ready()
-    del junk
 
 
 def _run(impl, a, b, config=None, out_dtype=None):
@@ -46,11 +38,6 @@ def _run(impl, a, b, config=None, out_dtype=None):
       out_specs=P(None, "x"), check_vma=False))
   return f(a, b)
 
-
-def _rel(out, ref):
-  out = np.asarray(out, np.float32)
-  assert np.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
-  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("d", [1, 2])

@@ -11,24 +11,12 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import kernels
 
 from gpu_env import HOPPER_COUNT
+from gpu_env import poison as _poison
+from gpu_env import rel_error as _rel
+from gpu_env import ring_mesh as _mesh
 
 
-def _mesh(d):
-  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
-                       axis_types=(jax.sharding.AxisType.Explicit,))
 
-
-def _poison(nbytes):
-  for dev in jax.local_devices():
-    junk = jax.device_put(jnp.full((nbytes // 4 + 4096,), jnp.nan), dev)
-    junk.block_until_ready()
-    del junk
-
-
-def _rel(out, ref):
-  out = np.asarray(out, np.float32)
-  assert np.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
-  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 def _run(fn, a, b):

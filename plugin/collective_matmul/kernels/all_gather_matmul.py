@@ -14,7 +14,7 @@ arrival. Compared with the seed's design:
   first in its pipeline (`spread_sends`), and each sender signals as soon as
   its slice has landed, so the next step's data arrives early.
 
-No NVLink multicast / multimem is used.
+Only plain peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 """
 from __future__ import annotations
 
@@ -208,27 +208,14 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
     the flattened `[b, D * s, n]`; with `return_gathered` a pair.
   """
-  if lhs.ndim != 2 or rhs.ndim != 2:
-    raise ValueError(f"expected 2-D lhs and rhs, got {lhs.shape}, {rhs.shape}")
+  out_dtype = common.check_operands(lhs, rhs, out_dtype)
   m, k = lhs.shape
-  k2, n = rhs.shape
-  if k != k2:
-    raise ValueError(f"contraction sizes differ: lhs k={k}, rhs k={k2}")
-  if lhs.dtype != rhs.dtype:
-    raise ValueError(f"dtypes differ: lhs {lhs.dtype}, rhs {rhs.dtype}")
-  if jnp.dtype(lhs.dtype).name not in tuning.KERNEL_DTYPES:
-    raise ValueError(f"dtype {lhs.dtype} is not supported (bf16 or f16)")
-  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  if out_dtype not in (jnp.dtype(lhs.dtype), jnp.dtype(jnp.float32)):
-    raise ValueError(f"out_dtype {out_dtype} must be {lhs.dtype} or float32")
+  n = rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
   if config is None:
     config = tuning.select_config(m, k, n, lhs.dtype, axis_size,
                                     out_dtype=out_dtype)
-  smem = config.smem_bytes(jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
-  if smem > tuning.SMEM_BYTES:
-    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
-                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
+  common.check_shared_memory(config, lhs.dtype, out_dtype)
   pad = tuning.padding(config, m, k, n)
   if rows_per_batch is not None and rows_per_batch != m:
     if not tuning.supports_rows_per_batch(config, m, rows_per_batch):

@@ -30,19 +30,29 @@ def candidate_configs():
         yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
 
 
-def _kernel_time_us(f, *args, iterations):
+def kernel_time_us(f, *args, iterations: int = 10):
+  """CUPTI kernel time of `f(*args)` in microseconds, as the seed reports it.
+
+  For each kernel name the minimum over devices (a device that waited for
+  its peer does not count its wait), summed over names; the median over
+  `iterations` runs. Returns (the first run's output, time, {kernel name:
+  median time}).
+  """
   from jax.experimental.mosaic.gpu import profiler
   out, timings = profiler.measure(f, aggregate=False,
                                   iterations=iterations)(*args)
   if timings and isinstance(timings[0], tuple):
     timings = [timings]
-  per_iter = []
+  per_iter, per_name = [], {}
   for kernels in timings:
     best: dict[str, float] = {}
     for name, ms in kernels:
       best[name] = min(ms, best.get(name, float("inf")))
+      per_name.setdefault(name, []).append(ms * 1e3)
     per_iter.append(sum(best.values()) * 1e3)
-  return out, statistics.median(per_iter)
+  breakdown = {name: round(statistics.median(v), 2)
+               for name, v in per_name.items()}
+  return out, statistics.median(per_iter), breakdown
 
 
 def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
@@ -83,8 +93,8 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
     for config in configs or candidate_configs():
       start = time.time()
       try:
-        out, us = _kernel_time_us(build("pallas", config), a, b,
-                                  iterations=iterations)
+        out, us, _ = kernel_time_us(build("pallas", config), a, b,
+                                    iterations=iterations)
       except Exception as e:  # A config that does not fit is skipped.
         logging.warning("autotune: %s failed: %s", config, str(e)[:300])
         continue

@@ -12,7 +12,8 @@ def num_sms() -> int:
   device = getattr(mesh, "abstract_device", None)
   if device is not None and getattr(device, "num_cores", None):
     return device.num_cores
-  return jax.devices()[0].core_count
+  # Off GPU (tracing the kernel on CPU in tests) an H100/H200's count.
+  return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def peer_id(axis_name, index):
@@ -73,6 +74,34 @@ def kernel_call(body, out_types):
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
+
+
+def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs")):
+  """Validates a kernel's 2-D operands; returns the result dtype."""
+  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
+  a, b = names
+  if lhs.ndim != 2 or rhs.ndim != 2:
+    raise ValueError(f"expected 2-D {a} and {b}, got {lhs.shape}, {rhs.shape}")
+  if lhs.shape[1] != rhs.shape[0]:
+    raise ValueError(f"contraction sizes differ: {a} k={lhs.shape[1]}, "
+                     f"{b} k={rhs.shape[0]}")
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"dtypes differ: {a} {lhs.dtype}, {b} {rhs.dtype}")
+  if jnp.dtype(lhs.dtype).name not in tuning.KERNEL_DTYPES:
+    raise ValueError(f"dtype {lhs.dtype} is not supported (bf16 or f16)")
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if out_dtype not in (jnp.dtype(lhs.dtype), jnp.dtype(jnp.float32)):
+    raise ValueError(f"out_dtype {out_dtype} must be {lhs.dtype} or float32")
+  return out_dtype
+
+
+def check_shared_memory(config, dtype, out_dtype):
+  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
+  smem = config.smem_bytes(jnp.dtype(dtype).itemsize,
+                           jnp.dtype(out_dtype).itemsize)
+  if smem > tuning.SMEM_BYTES:
+    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
+                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
 
 
 def ring_neighbours(axis_name, axis_size):

@@ -11,8 +11,8 @@ output tile), so after D steps device d holds the full sum of its own block.
 Partial sums travel in the output dtype (as NCCL's reduce-scatter does) and
 are accumulated in float32 registers within a device; each hop adds
 in the output dtype. One persistent loop covers the tiles
-of all D steps; a tile waits only for its own partial sum. No NVLink
-multicast / multimem.
+of all D steps; a tile waits only for its own partial sum. Only plain
+peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 """
 from __future__ import annotations
 
@@ -190,19 +190,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
   """
-  if x.ndim != 2 or w.ndim != 2:
-    raise ValueError(f"expected 2-D x and w, got {x.shape}, {w.shape}")
+  out_dtype = common.check_operands(x, w, out_dtype, names=("x", "w"))
   rows, k = x.shape
-  k2, n = w.shape
-  if k != k2:
-    raise ValueError(f"contraction sizes differ: x k={k}, w k={k2}")
-  if x.dtype != w.dtype:
-    raise ValueError(f"dtypes differ: x {x.dtype}, w {w.dtype}")
-  if jnp.dtype(x.dtype).name not in tuning.KERNEL_DTYPES:
-    raise ValueError(f"dtype {x.dtype} is not supported (bf16 or f16)")
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
-  if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
-    raise ValueError(f"out_dtype {out_dtype} must be {x.dtype} or float32")
+  n = w.shape[1]
   axis_size = lax.axis_size(axis_name)
   if rows % axis_size:
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
@@ -211,10 +201,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
   if config is None:
     config = tuning.select_config(m, k, n, x.dtype, axis_size,
                                     out_dtype=out_dtype)
-  smem = config.smem_bytes(jnp.dtype(x.dtype).itemsize, out_dtype.itemsize)
-  if smem > tuning.SMEM_BYTES:
-    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
-                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
+  common.check_shared_memory(config, x.dtype, out_dtype)
   pad = tuning.padding(config, m, k, n)
   if rows_per_batch is not None and rows_per_batch != m:
     if not tuning.supports_rows_per_batch(config, m, rows_per_batch):

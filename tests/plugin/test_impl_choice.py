@@ -1,0 +1,113 @@
+"""Which implementation `auto` (and an explicit `pallas`) picks, per pattern.
+
+The choice depends only on global facts (platform, device kind, dtype,
+local sizes, flags), so it is checked here with meshes that *describe*
+Hopper GPUs; nothing runs on them.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import collective_matmul as cm
+from collective_matmul import override
+from collective_matmul import patterns
+
+
+@dataclasses.dataclass
+class _Device:
+  platform: str
+  device_kind: str
+  num_cores: int = 132
+
+
+@dataclasses.dataclass
+class _Mesh:
+  abstract_device: _Device
+  axis_names: tuple = ("data", "tensor")
+  axis_sizes: tuple = (1, 2)
+
+
+HOPPER = _Mesh(_Device("gpu", "NVIDIA H200"))
+AMPERE = _Mesh(_Device("gpu", "NVIDIA A100-SXM4-80GB"))
+CPU = _Mesh(_Device("cpu", "cpu"))
+
+
+def _all_gather(rows, k, n):
+  """x[rows*2, k] rows on tensor, w[k, n*2] columns on tensor (global)."""
+  lhs, rhs = jnp.zeros((2 * rows, k), jnp.bfloat16), jnp.zeros(
+      (k, 2 * n), jnp.bfloat16)
+  dims = (((1,), (0,)), ((), ()))
+  match = patterns.match_all_gather_matmul(
+      lhs.shape, rhs.shape, dims, (("tensor",), ()), ((), ("tensor",)),
+      {"data": 1, "tensor": 2})
+  assert isinstance(match, patterns.AllGatherMatch)
+  return match, lhs, rhs, dims
+
+
+def _reduce_scatter(rows, k, n):
+  """h[rows*2, k*2] contraction on tensor, result rows on tensor."""
+  lhs, rhs = jnp.zeros((2 * rows, 2 * k), jnp.bfloat16), jnp.zeros(
+      (2 * k, n), jnp.bfloat16)
+  dims = (((1,), (0,)), ((), ()))
+  match = patterns.match_matmul_reduce_scatter(
+      lhs.shape, rhs.shape, dims, ((), ("tensor",)), (("tensor",), ()),
+      {"data": 1, "tensor": 2}, (("tensor",), ()))
+  assert isinstance(match, patterns.ReduceScatterMatch)
+  return match, lhs, rhs, dims
+
+
+def _choose(cfg, case, mesh):
+  match, lhs, rhs, dims = case
+  return override._choose_impl(cfg, match, lhs, rhs, dims, mesh, None)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])
+def test_auto_takes_both_kernels_on_hopper_for_large_problems(case):
+  impl, bwd, reason, fallback = _choose(
+      cm.CollectiveMatmulConfig(enabled=True), case(4096, 4096, 4096), HOPPER)
+  assert (impl, bwd, reason, fallback) == ("pallas", "pallas", "", False)
+
+
+@pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])
+def test_auto_takes_xla_for_problems_too_small_to_overlap(case):
+  impl, bwd, reason, fallback = _choose(
+      cm.CollectiveMatmulConfig(enabled=True), case(256, 1024, 1024), HOPPER)
+  assert (impl, bwd, fallback) == ("baseline", "baseline", False)
+  assert "tiles per ring step" in reason
+
+
+def test_explicit_pallas_still_runs_a_small_problem():
+  impl, _, _, fallback = _choose(
+      cm.CollectiveMatmulConfig(enabled=True, impl="pallas"),
+      _all_gather(256, 1024, 1024), HOPPER)
+  assert (impl, fallback) == ("pallas", False)
+
+
+@pytest.mark.parametrize("mesh,needle", [(AMPERE, "not a Hopper"),
+                                         (CPU, "backend is 'cpu'")])
+def test_no_hopper_means_the_fallback_and_a_reason(mesh, needle):
+  cfg = cm.CollectiveMatmulConfig(enabled=True)
+  impl, bwd, reason, fallback = _choose(cfg, _all_gather(4096, 4096, 4096),
+                                        mesh)
+  assert (impl, bwd, fallback) == ("ring", "ring", False)
+  assert needle in reason
+  forced = dataclasses.replace(cfg, impl="pallas", fallback_impl="baseline")
+  impl, _, _, fallback = _choose(forced, _all_gather(4096, 4096, 4096), mesh)
+  assert (impl, fallback) == ("baseline", True)  # Strict mode would raise.
+
+
+def test_switching_the_reduce_scatter_kernel_off_reaches_the_backward():
+  cfg = cm.CollectiveMatmulConfig(enabled=True, reduce_scatter_kernel=False)
+  # The all-gather kernel's backward is a matmul + reduce-scatter.
+  assert _choose(cfg, _all_gather(4096, 4096, 4096), HOPPER)[:2] == (
+      "pallas", "baseline")
+  impl, _, reason, _ = _choose(cfg, _reduce_scatter(4096, 4096, 4096), HOPPER)
+  assert impl == "baseline" and "switched off" in reason
+
+
+@pytest.mark.parametrize("impl", ["ring", "baseline"])
+def test_forced_portable_impls_serve_both_directions(impl):
+  cfg = cm.CollectiveMatmulConfig(enabled=True, impl=impl)
+  assert _choose(cfg, _reduce_scatter(4096, 4096, 4096), HOPPER) == (
+      impl, impl, "", False)

@@ -1,0 +1,133 @@
+"""The Hopper kernels' Python, traced on CPU.
+
+Pallas traces a kernel body when it is called, so `jax.eval_shape` runs all
+of the kernels' Python (schedule arithmetic, semaphore and buffer shapes,
+layouts, padding, validation) without a GPU; only lowering needs one. The
+numerics are checked on Hopper by tests/gpu.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import collective_matmul as cm
+from collective_matmul import kernels
+
+
+def _mesh(d):
+  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _spec(mesh, shape, spec, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              sharding=NamedSharding(mesh, spec))
+
+
+CONFIGS = [None, kernels.AllGatherMatmulConfig(spread_sends=False),
+           kernels.AllGatherMatmulConfig(wg_dimension="m", send_gap=4),
+           kernels.AllGatherMatmulConfig(tile_m=64, grid_minor_dim="n")]
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+@pytest.mark.parametrize("m", [512, 300])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
+  mesh = _mesh(d)
+  k, n = 256, 384
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(
+        functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
+                          config=config, return_gathered=True),
+        out_specs=(P(None, "x"), P("x")), check_vma=False)
+    out, held = jax.eval_shape(f, _spec(mesh, (d * m, k), P("x", None)),
+                               _spec(mesh, (k, d * n), P(None, "x")))
+  assert out.shape == (d * m, d * n) and out.dtype == jnp.bfloat16
+  assert held.shape == (d * d, m, k)
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+@pytest.mark.parametrize("m,n", [(512, 512), (200, 384)])
+def test_reduce_scatter_kernel_traces_with_the_shapes_it_promises(d, m, n):
+  mesh = _mesh(d)
+  k = 256
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(
+        functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
+                          out_dtype=jnp.float32),
+        out_specs=P("x", None), check_vma=False)
+    out = jax.eval_shape(f, _spec(mesh, (d * m, d * k), P(None, "x")),
+                         _spec(mesh, (d * k, n), P("x", None)))
+  assert out.shape == (d * m, n) and out.dtype == jnp.float32
+
+
+def test_batch_major_rows_trace_for_both_kernels():
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    gather = jax.shard_map(
+        lambda x, w: kernels.all_gather_lhs_matmul(
+            x.reshape(-1, 256), w, "x", rows_per_batch=256).reshape(3, 512, -1),
+        out_specs=P(None, None, "x"), check_vma=False)
+    out = jax.eval_shape(gather, _spec(mesh, (3, 512, 256), P(None, "x", None)),
+                         _spec(mesh, (256, 512), P(None, "x")))
+    assert out.shape == (3, 512, 512)
+    scatter = jax.shard_map(
+        lambda x, w: kernels.matmul_reduce_scatter(
+            x.reshape(-1, x.shape[-1]), w, "x",
+            rows_per_batch=256).reshape(3, 256, -1),
+        out_specs=P(None, "x", None), check_vma=False)
+    out = jax.eval_shape(scatter, _spec(mesh, (3, 512, 512), P(None, None, "x")),
+                         _spec(mesh, (512, 256), P("x", None)))
+    assert out.shape == (3, 512, 256)
+
+
+@pytest.mark.parametrize("save_gathered", [False, True])
+def test_pallas_ops_trace_forward_and_backward(save_gathered):
+  """value_and_grad through both ops with impl="pallas" (both kernels in the
+  forward and, transposed, in the backward)."""
+  mesh = _mesh(2)
+
+  def mlp(x, wi, wo):
+    h = cm.all_gather_matmul(x, wi, "x", gather_axis=1, impl="pallas",
+                             save_gathered=save_gathered)
+    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", scatter_axis=1,
+                                    impl="pallas",
+                                    save_gathered=save_gathered)
+
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(mlp, out_specs=P(None, "x", None), check_vma=False)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+    args = (_spec(mesh, (2, 512, 256), P(None, "x", None)),
+            _spec(mesh, (256, 1024), P(None, "x")),
+            _spec(mesh, (1024, 256), P("x", None)))
+    value, grads = jax.eval_shape(jax.value_and_grad(loss, (0, 1, 2)), *args)
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(*args))
+  assert value.shape == ()
+  assert [g.shape for g in grads] == [a.shape for a in args]
+  # Two forward kernels and two backward kernels (a Mosaic GPU kernel of
+  # several warpgroups is an `mpmd_map`); with save_gathered no all-gather is
+  # left for the weight gradients, without it both re-gather.
+  assert jaxpr.count("mpmd_map[") == 4
+  assert jaxpr.count("all_gather[") == (0 if save_gathered else 2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(lhs=jnp.float32), "dtype float32 is not supported"),
+    (dict(out_dtype=jnp.float16), "out_dtype float16 must be"),
+    (dict(rows_per_batch=96), "rows_per_batch=96 must divide"),
+])
+def test_kernel_rejects_bad_input_naming_it(bad, match):
+  mesh = _mesh(2)
+  dtype = bad.get("lhs", jnp.bfloat16)
+  kwargs = {key: v for key, v in bad.items() if key != "lhs"}
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(
+        functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
+                          **kwargs),
+        out_specs=P(None, "x"), check_vma=False)
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(f, _spec(mesh, (1024, 256), P("x", None), dtype),
+                     _spec(mesh, (256, 512), P(None, "x"), dtype))
