@@ -13,6 +13,8 @@ import pytest  # pylint: disable=g-import-not-at-top
 @pytest.fixture
 def rng(request):
   """A fresh random generator per test; the seed is printed on failure."""
-  seed = int(np.random.SeedSequence().entropy % (2**31))
-  print(f"{request.node.name}: seed {seed}")
+  # CM_TEST_SEED=<printed seed> replays a failure.
+  seed = int(os.environ.get("CM_TEST_SEED",
+                            np.random.SeedSequence().entropy % (2**31)))
+  print(f"{request.node.name}: seed {seed} (replay: CM_TEST_SEED={seed})")
   return np.random.default_rng(seed)

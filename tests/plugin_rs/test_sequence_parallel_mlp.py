@@ -52,7 +52,10 @@ def test_mlp_rewrites_both_projections_and_keeps_value_and_grads(
 
   assert [(r.rewritten, r.pattern, r.axis) for r in records] == [
       (True, "all_gather", "tensor"), (True, "reduce_scatter", "tensor")]
-  np.testing.assert_allclose(ours_loss, plain_loss, rtol=1e-5)
+  # The loss sums x.size O(1) terms that can nearly cancel: bound the
+  # difference by f32 rounding over that many terms, not by the sum.
+  np.testing.assert_allclose(ours_loss, plain_loss, rtol=1e-5,
+                             atol=1e-6 * x.size)
   for ours, plain, name in zip(ours_grads, plain_grads, ("x", "wi", "wo")):
     assert ours.sharding.is_equivalent_to(plain.sharding, ours.ndim), name
     utils.assert_close(ours, utils.exact(plain), dtype="float32")
