@@ -12,23 +12,14 @@ arm uses the plugin's flags with `enabled` forced on.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Until the packages are installed (setup.py), use them from the checkout.
-for _package, _folder in (("reference_host", "host"),
-                          ("collective_matmul", "plugin")):
-  if importlib.util.find_spec(_package) is None:
-    sys.path.insert(0, os.path.join(REPO_ROOT, _folder))
+import script_setup  # pylint: disable=g-bad-import-order
 
-# Emulated CPU devices (see train.py): before JAX is imported.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                 ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8")
+script_setup.prepare()
+REPO_ROOT = script_setup.REPO_ROOT
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags

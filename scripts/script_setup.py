@@ -1,0 +1,24 @@
+"""What the host scripts do before importing JAX (imported first by them)."""
+import importlib.util
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def prepare():
+  """Makes the packages importable and gives a CPU run devices to shard.
+
+  Until the packages are installed (setup.py), they are used from the
+  checkout. Emulated CPU devices give the CPU run a mesh; the flag only
+  changes the CPU platform, so it is harmless where GPUs are present, and an
+  explicit setting wins. Must run before JAX is imported.
+  """
+  for package, folder in (("reference_host", "host"),
+                          ("collective_matmul", "plugin")):
+    if importlib.util.find_spec(package) is None:
+      sys.path.insert(0, os.path.join(REPO_ROOT, folder))
+  if "xla_force_host_platform_device_count" not in os.environ.get(
+      "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8")
