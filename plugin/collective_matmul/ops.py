@@ -100,12 +100,7 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
 def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
                                   preferred_element_type, kernel_config):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
-  axis_size = lax.axis_size(axis_name)
-  if x.shape[scatter_axis] % axis_size:
-    raise ValueError(
-        f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
-        f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
-        f"over {axis_name!r}")
+  axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
   config_for = lambda rows: kernel_config or kernels.select_config(
       rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
       out_dtype=preferred_element_type)

@@ -140,6 +140,17 @@ def baseline_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                           tiled=True)
 
 
+def check_row_blocks(x, scatter_axis, axis_name) -> int:
+  """The axis size, after checking `x` splits into that many row blocks."""
+  axis_size = lax.axis_size(axis_name)
+  if x.shape[scatter_axis] % axis_size:
+    raise ValueError(
+        f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
+        f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
+        f"over {axis_name!r}")
+  return axis_size
+
+
 def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                                bidirectional=True, precision=None,
                                preferred_element_type=None):
@@ -167,12 +178,7 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
   if not 0 <= scatter_axis < x.ndim - 1:
     raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
-  axis_size = lax.axis_size(axis_name)
-  if x.shape[scatter_axis] % axis_size:
-    raise ValueError(
-        f"x{x.shape} dimension scatter_axis={scatter_axis} of size "
-        f"{x.shape[scatter_axis]} does not split into {axis_size} row blocks "
-        f"over {axis_name!r}")
+  axis_size = check_row_blocks(x, scatter_axis, axis_name)
   out_dtype = jax.eval_shape(
       lambda a, b: local_matmul(a, b, precision=precision,
                                 preferred_element_type=preferred_element_type),
