@@ -101,9 +101,10 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
                                   preferred_element_type, kernel_config):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
-  config_for = lambda rows: kernel_config or kernels.select_config(
-      rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
-      out_dtype=preferred_element_type)
+  config_for = lambda rows: kernel_config or (
+      kernels.select_reduce_scatter_config(
+          rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
+          out_dtype=preferred_element_type))
   # Runs of rows are addressed per row block, so they must fit one block.
   per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
   rows = math.prod(x.shape[:-1])

@@ -56,6 +56,50 @@ def test_select_config_fits_shared_memory_for_float32_output():
                                            smem)
 
 
+@pytest.mark.parametrize("out_dtype", [None, "float32"])
+def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
+  for m, k, n in SHAPES:
+    for dtype in ("bfloat16", "float16"):
+      base = tuning.select_config(m, k, n, dtype, 2, out_dtype=out_dtype)
+      config = tuning.select_reduce_scatter_config(m, k, n, dtype, 2,
+                                                   out_dtype=out_dtype)
+      out_itemsize = 4 if out_dtype else 2
+      assert config.smem_bytes(2, out_itemsize) <= tuning.SMEM_BYTES
+      # Same tiles and padding as the all-gather kernel's pick.
+      assert (config.tile_m, config.tile_n, config.wg_dimension) == (
+          base.tile_m, base.tile_n, base.wg_dimension)
+      if config != base:
+        # Whole warpgroup tile in the two slots, >= 3 stages left.
+        assert 2 * config.epi_tile_m * config.epi_tile_n == (
+            config.tile_m * config.tile_n)
+        assert config.max_concurrent_steps >= 3
+
+
+@pytest.mark.parametrize("k_iters", [1, 2, 3, 25, 64, 224])
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("gap", [1, 12, 24])
+def test_partial_send_steps_fall_inside_the_k_loop(k_iters, slots, gap):
+  steps = tuning.partial_send_steps(k_iters, slots, gap)
+  assert len(steps) == slots
+  assert steps[0] == 0 and all(0 <= s < k_iters for s in steps)
+  assert steps == sorted(steps)
+  if k_iters > 1 and slots > 1:
+    # Paced: distinct steps, gap apart when the loop is long enough.
+    assert len(set(steps)) == slots
+    if k_iters > (slots - 1) * gap:
+      assert steps[1] - steps[0] == gap
+
+
+def test_reduce_scatter_config_at_the_seed_shape():
+  config = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
+  assert (config.epi_tile_m, config.epi_tile_n) == (64, 128)
+  assert config.max_concurrent_steps == 3
+  # A float32 epilogue of that size would leave 2 stages: kept narrow.
+  f32 = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2,
+                                            out_dtype="float32")
+  assert (f32.epi_tile_m, f32.epi_tile_n) == (64, 64)
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_select_config_wastes_no_more_than_the_best_candidate(m, k, n):
   """Padding waste of the pick is minimal among the candidates it has."""

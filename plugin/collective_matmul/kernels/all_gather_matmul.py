@@ -114,8 +114,10 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for mi in range(tile_m // epi_m):
             for ni in range(tile_n // epi_n):
-              slot = (mi * (tile_n // epi_n) + ni) % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              i = mi * (tile_n // epi_n) + ni
+              slot = i % 2
+              if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
               out_smem[wg_idx, slot] = acc[mi * epi_m:(mi + 1) * epi_m,
                                            ni * epi_n:(ni + 1) * epi_n]
               plgpu.commit_smem()

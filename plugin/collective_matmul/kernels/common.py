@@ -32,12 +32,15 @@ def swizzled(dtype, cols: int):
 
 
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
-                    k_iters, dtype, max_concurrent_steps, k_order=None):
+                    k_iters, dtype, max_concurrent_steps, k_order=None,
+                    delay_release=1):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
-  (default: in order). Slots are released one step late (delay_release=1)
-  so a body may still read its slot (e.g. to forward it) during the next.
+  (default: in order). With `delay_release=1` slots are released one step
+  late, so a body may still read its slot (e.g. to forward it) during the
+  next; that costs one step of prefetch depth, so a kernel that does not
+  forward passes 0.
   """
   order = k_order or (lambda kk: kk)
   transforms = swizzled(dtype, tile_k)
@@ -48,10 +51,10 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       in_specs=[
           plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, order(kk)),
                           transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=1),
+                          delay_release=delay_release),
           plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
                           transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=1),
+                          delay_release=delay_release),
       ],
       wg_axis="wg",
       num_compute_wgs=2,

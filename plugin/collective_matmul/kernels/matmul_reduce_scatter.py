@@ -13,6 +13,18 @@ are accumulated in float32 registers within a device; each hop adds
 in the output dtype. One persistent loop covers the tiles
 of all D steps; a tile waits only for its own partial sum. Only plain
 peer-to-peer TMA stores cross NVLink (no NVLS multicast).
+
+Overlap details (measured in benchmarks/RESULTS.md):
+* a tile's partial sum stays in the epilogue's shared memory and is sent
+  during the *next* tile's k loop, one slot every `send_gap` steps
+  (`spread_sends`), so the SMs do not all store at once and the link does
+  not hold up the next tile's loads;
+* its arrival is announced after that k loop (wait for the stores, then
+  signal), so no warpgroup waits on NVLink while it could compute; a
+  block's last tile sends and announces from its own epilogue;
+* pipeline slots are released without delay (nothing is forwarded from
+  them), so 3 stages prefetch as deep as the all-gather kernel's 4 and the
+  shared memory of the fourth holds a whole-tile epilogue.
 """
 from __future__ import annotations
 
@@ -44,6 +56,8 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
   if ring:
     dev = lax.axis_index(axis_name)
     send_to = lax.rem(dev + 1, axis_size)
+    if config.loopback_for_timing:  # Diagnostics only: wrong results.
+      send_to = dev
     peer_scratch = plgpu.remote_ref(scratch_ref,
                                     common.peer_id(axis_name, send_to))
     # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
@@ -57,7 +71,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     return common.matmul_pipeline(
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
-        max_concurrent_steps=config.max_concurrent_steps)
+        max_concurrent_steps=config.max_concurrent_steps, delay_release=0)
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(ignore, ignore).get_allocations(
@@ -72,34 +86,66 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem, received):
-    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
-                   collective_axes="cluster_grid")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
+    def coordinates(linear):
       step, in_step = tuning.tile_coordinates(linear, m_iters, n_iters)
       m_idx, n_idx = plgpu.planar_snake(
           in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
           config.grid_tile_width)
+      return step, m_idx, n_idx
+
+    def announce(step, m_idx, n_idx):
+      """Signals the peer once this warpgroup's stores of a tile landed."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      pl.semaphore_signal(landed.at[step, m_idx, n_idx],
+                          device_id=common.peer_id(axis_name, send_to))
+
+    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
+                   collective_axes="cluster_grid")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      step, m_idx, n_idx = coordinates(linear)
       block = tuning.reduce_scatter_block(dev, step, axis_size)
       tile_rows = pl.ds(m_idx * cta_tile_m, cta_tile_m)
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
       wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
       wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
+      epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m)
+                   for ni in range(tile_n // epi_n)]
 
-      def epilogue_tile(acc, mi, ni, slot, receive):
-        epi = (pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n))
-        part = acc[mi * epi_m:(mi + 1) * epi_m, ni * epi_n:(ni + 1) * epi_n]
-        if receive:
-          barrier = received.at[wg_idx * 2 + slot]
-          plgpu.copy_gmem_to_smem(
-              scratch_ref.at[step - 1, tile_rows, cta_n].at[wg_m, wg_n]
-              .at[epi], out_smem.at[wg_idx, slot], barrier)
-          plgpu.barrier_wait(barrier)
-          out_smem[wg_idx, slot] += part
-        else:
-          out_smem[wg_idx, slot] = part
-        plgpu.commit_smem()
-        return epi
+      def epi_slice(i):
+        mi, ni = epi_tiles[i]
+        return (pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n))
+
+      def epi_part(acc, i):
+        mi, ni = epi_tiles[i]
+        return acc[mi * epi_m:(mi + 1) * epi_m, ni * epi_n:(ni + 1) * epi_n]
+
+      # With the whole warpgroup tile in the two epilogue slots, a tile's
+      # partial sum leaves during the next tile's k loop, one slot every
+      # `send_gap` steps (paced like the all-gather kernel's sends), not
+      # all at once from the epilogue, where every SM would store at the
+      # same moment and the link would hold up the next tile's loads.
+      defer = ring and config.spread_sends and len(epi_tiles) <= 2
+      send_steps = tuning.partial_send_steps(k_iters, len(epi_tiles),
+                                             config.send_gap)
+      is_last = loop_info.local_index == loop_info.num_local_steps - 1
+      if ring:
+        prev_step, prev_m, prev_n = coordinates(
+            linear - lax.axis_size("cluster_grid"))
+        # The previous tile (this block's) left a partial sum to send.
+        prev_sends = (loop_info.local_index > 0) & (prev_step < axis_size - 1)
+
+      def peer_slot(step, m_idx, n_idx, i):
+        return (peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
+                                pl.ds(n_idx * cta_tile_n, cta_tile_n)]
+                .at[wg_m, wg_n].at[epi_slice(i)])
+
+      def load_partial(i):
+        """Starts loading the received partial sum of epilogue tile i."""
+        plgpu.copy_gmem_to_smem(
+            scratch_ref.at[step - 1, tile_rows, cta_n].at[wg_m, wg_n]
+            .at[epi_slice(i)], out_smem.at[wg_idx, i % 2],
+            received.at[wg_idx * 2 + i % 2])
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
@@ -107,24 +153,47 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...].astype(out_dtype)
+          if ring:
+            # The previous tile's stores to the peer had this tile's whole
+            # k loop to land: announce them only now, so that waiting for
+            # NVLink never stalls the tensor cores.
+            @pl.when(prev_sends)
+            def _announce_previous():
+              announce(prev_step, prev_m, prev_n)
+
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
           def run_epilogue(receive, store):
-            for mi in range(tile_m // epi_m):
-              for ni in range(tile_n // epi_n):
-                slot = (mi * (tile_n // epi_n) + ni) % 2
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                epi = epilogue_tile(acc, mi, ni, slot, receive)
-                store(out_smem.at[wg_idx, slot], epi)
+            if receive:
+              for i in range(min(2, len(epi_tiles))):
+                load_partial(i)
+            for i in range(len(epi_tiles)):
+              slot = i % 2
+              if receive:
+                plgpu.barrier_wait(received.at[wg_idx * 2 + slot])
+                out_smem[wg_idx, slot] += epi_part(acc, i)
+              else:
+                if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
+                  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[wg_idx, slot] = epi_part(acc, i)
+              plgpu.commit_smem()
+              store(out_smem.at[wg_idx, slot], epi_slice(i))
+              if receive and i + 2 < len(epi_tiles):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                load_partial(i + 2)
 
           def to_output(src, epi):
             plgpu.copy_smem_to_gmem(
                 src, out_ref.at[tile_rows, cta_n].at[wg_m, wg_n].at[epi])
 
           def to_peer(src, epi):
-            plgpu.copy_smem_to_gmem(
+            send = lambda: plgpu.copy_smem_to_gmem(
                 src, peer_scratch.at[step, tile_rows, cta_n].at[wg_m, wg_n]
                 .at[epi])
+            if defer:  # The next tile's k loop sends it; the last has none.
+              pl.when(is_last)(send)
+            else:
+              send()
 
           if not ring:
             run_epilogue(False, to_output)
@@ -147,14 +216,20 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
           def _last():
             run_epilogue(True, to_output)
 
-          @pl.when(step < axis_size - 1)
-          def _announce():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-            pl.semaphore_signal(landed.at[step, m_idx, n_idx],
-                                device_id=common.peer_id(axis_name, send_to))
+          # This block's last tile has no next one to announce it.
+          @pl.when((step < axis_size - 1) & is_last)
+          def _announce_last():
+            announce(step, m_idx, n_idx)
 
-      def mma_body(_, a_smem, b_smem, acc_ref):
+      def mma_body(idxs, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        if defer:
+          (kk,) = idxs
+          for i, send_step in enumerate(send_steps):
+            @pl.when(prev_sends & (kk == send_step))
+            def _send_previous():
+              plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, i],
+                                      peer_slot(prev_step, prev_m, prev_n, i))
         plgpu.wgmma_wait(1)
         return acc_ref
 
@@ -199,8 +274,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
                      f"devices of {axis_name!r}")
   m = rows // axis_size
   if config is None:
-    config = tuning.select_config(m, k, n, x.dtype, axis_size,
-                                    out_dtype=out_dtype)
+    config = tuning.select_reduce_scatter_config(m, k, n, x.dtype, axis_size,
+                                                 out_dtype=out_dtype)
   common.check_shared_memory(config, x.dtype, out_dtype)
   pad = tuning.padding(config, m, k, n)
   if rows_per_batch is not None and rows_per_batch != m:

@@ -33,10 +33,14 @@ class AllGatherMatmulConfig:
     grid_minor_dim, grid_tile_width: order of output tiles within one ring
       step (planar snake, for L2 reuse).
     epi_tile_m, epi_tile_n: epilogue store granularity.
-    spread_sends: every n-tile of a row block forwards its own slice of k,
-      first thing in its pipeline, so a whole block reaches the next device
-      in a fraction of a tile's time (instead of only at the end of the
-      block's first tile).
+    spread_sends: all-gather kernel: every n-tile of a row block forwards
+      its own slice of k, first thing in its pipeline, so a whole block
+      reaches the next device in a fraction of a tile's time (instead of
+      only at the end of the block's first tile). Reduce-scatter kernel:
+      a tile's partial sum is sent during the next tile's k loop, one
+      epilogue slot every `send_gap` steps, instead of all at once from its
+      epilogue (needs the whole tile in the two slots, see
+      `select_reduce_scatter_config`).
     loopback_for_timing: diagnostics only, WRONG RESULTS for D > 1: every
       device forwards to its own scratch instead of its neighbour's, so the
       kernel does the same work without NVLink traffic (to time what the
@@ -220,6 +224,33 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   return min(fitting, key=score)
 
 
+def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
+                                 num_sms: int = 132,
+                                 out_dtype=None) -> AllGatherMatmulConfig:
+  """`select_config` with the epilogue the reduce-scatter kernel wants.
+
+  Its epilogue stores each tile's partial sum to the next device. With the
+  whole warpgroup tile in two epilogue slots (epi tile = half the tile) an
+  epilogue never waits for NVLink to drain a slot, and the stores overlap
+  the next tile's main loop; the shared memory comes from one pipeline stage
+  (the kernel does not forward from its pipeline, so it releases slots
+  without delay and 3 stages prefetch as deep as the all-gather's 4).
+  Kept as selected when a wider epilogue would leave fewer than 3 stages.
+  Measured on 2 x H200: benchmarks/RESULTS.md.
+  """
+  base = select_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
+  if base.tile_m % 2 or (base.tile_m // 2) % 64:
+    return base
+  # send_gap 24: 0.3-1.0 % faster than 12 at the three benchmark shapes.
+  wide = fit_shared_memory(
+      dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
+                          epi_tile_n=base.tile_n, send_gap=24),
+      dtype, out_dtype)
+  if wide is None or wide.max_concurrent_steps < 3:
+    return base
+  return wide
+
+
 def cache_path() -> str:
   return os.environ.get(
       "COLLECTIVE_MATMUL_TUNING_CACHE",
@@ -292,6 +323,14 @@ def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
   # Every send must fall inside the pipeline: (per - 1) * gap < k_iters.
   gap = max(1, min(gap, (k_iters - 1) // max(per - 1, 1)))
   return per, math.ceil(k_iters / per), gap
+
+
+def partial_send_steps(k_iters: int, slots: int, gap: int) -> list[int]:
+  """Pipeline steps at which the reduce-scatter kernel sends each epilogue
+  slot of the previous tile: 0, gap, 2 * gap, ..., squeezed so the last
+  falls inside the k loop (all at step 0 when the loop has one step)."""
+  gap = min(gap, (k_iters - 1) // max(slots - 1, 1))
+  return [i * gap for i in range(slots)]
 
 
 def sender_share(n_idx, k_iters: int, per: int):
