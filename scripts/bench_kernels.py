@@ -45,6 +45,7 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true "
                   "--xla_gpu_use_memcpy_local_p2p=true")
+WINDOWED_TIMEOUT_S = int(os.environ.get("WINDOWED_TIMEOUT_S", "150"))
 
 
 def parse_shape(text):
@@ -95,10 +96,16 @@ print("US", (time.perf_counter() - t) / 200 * 1e6)
 """
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip()
+  # This process already holds most of each GPU's memory.
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   try:
     res = subprocess.run([sys.executable, "-c", code], env=env,
-                         capture_output=True, text=True, timeout=240)
-  except subprocess.TimeoutExpired:
+                         capture_output=True, text=True,
+                         timeout=WINDOWED_TIMEOUT_S)
+  except subprocess.TimeoutExpired as e:
+    err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr
+    print(f"windowed einsum timed out after {WINDOWED_TIMEOUT_S} s:",
+          (err or "")[-1500:], flush=True)
     return None
   for line in res.stdout.splitlines():
     if line.startswith("US "):
@@ -239,17 +246,25 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
         x @ y, "x", scatter_dimension=0, tiled=True))
     out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b)
     row["nccl_rel_err"] = rel_error(out, ref)
-    f = shmap(functools.partial(kernels.matmul_reduce_scatter, axis_name="x"))
-    try:
-      poison_allocator(d * m * n * 2)
-      out, row["ours_us"], row["ours_kernels"] = kernel_time_us(f, a, b)
-      row["ours_rel_err"] = rel_error(out, ref)
+    configs = [None] + [kernels.AllGatherMatmulConfig(**json.loads(c))
+                        for c in args.rs_config]
+    for i, cfg in enumerate(configs):
+      chosen = cfg or kernels.select_reduce_scatter_config(m, k, n, dtype, d)
+      key = "ours" if i == 0 else f"ours_cfg{i}"
+      f = shmap(functools.partial(kernels.matmul_reduce_scatter,
+                                  axis_name="x", config=chosen))
+      try:
+        poison_allocator(d * m * n * 2)
+        out, row[f"{key}_us"], row[f"{key}_kernels"] = kernel_time_us(f, a, b)
+      except Exception as e:
+        print(f"ours reduce-scatter {chosen} failed: {type(e).__name__}: "
+              f"{str(e)[:3000]}", flush=True)
+        continue
+      row[f"{key}_config"] = dataclasses.asdict(chosen)
+      row[f"{key}_rel_err"] = rel_error(out, ref)
       again = np.asarray(f(a, b), np.float32)
-      row["ours_repeat_identical"] = bool(
+      row[f"{key}_repeat_identical"] = bool(
           np.array_equal(again, np.asarray(out, np.float32)))
-    except Exception as e:
-      print(f"ours reduce-scatter failed: {type(e).__name__}: {str(e)[:3000]}",
-            flush=True)
   if args.windowed and d > 1:
     row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name,
                                             reduce_scatter=True)
@@ -268,6 +283,8 @@ def main():
   parser.add_argument("--windowed", action="store_true")
   parser.add_argument("--rs-shapes", nargs="*", default=RS_SHAPES,
                       help="matmul + reduce-scatter shapes (m/k/n per shard)")
+  parser.add_argument("--rs-config", action="append", default=[],
+                      help="extra reduce-scatter kernel config as JSON")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
   rows = []

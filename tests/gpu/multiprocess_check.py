@@ -1,18 +1,32 @@
-"""One process per GPU (jax.distributed): the kernel over 2 processes."""
+"""One process per GPU (jax.distributed): both kernels over 2 processes.
+
+Run as two processes with RANK=0 and RANK=1. Environment knobs (for the
+diagnostics in scripts/gpu_multiprocess_diag.sh):
+  CM_MP_DEVICES=visible  each process sees only its GPU (CUDA_VISIBLE_DEVICES
+                         set by the launcher); default: local_device_ids.
+  CM_MP_NVSHMEM=1        Mosaic GPU reaches peers through NVSHMEM
+                         (`--xla_gpu_experimental_enable_nvshmem`).
+  CM_MP_CONTROL=1        only an XLA all-gather (is multi-process NCCL fine?).
+  CM_MP_PORT             coordinator port (default 12731).
+"""
 import functools
 import os
+import sys
 
-# Multi-process Mosaic GPU collectives reach peers through NVSHMEM (as the
-# upstream collective-matmul example does); NVLS stays off.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_gpu_experimental_enable_nvshmem=true")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+if os.environ.get("CM_MP_NVSHMEM") == "1":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_experimental_enable_nvshmem=true")
 import jax
 
 RANK = int(os.environ["RANK"])
-jax.distributed.initialize("localhost:12731", num_processes=2,
-                           process_id=RANK, local_device_ids=[RANK])
+kwargs = {}
+if os.environ.get("CM_MP_DEVICES") != "visible":
+  kwargs["local_device_ids"] = [RANK]
+jax.distributed.initialize(
+    f"localhost:{os.environ.get('CM_MP_PORT', '12731')}", num_processes=2,
+    process_id=RANK, **kwargs)
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
@@ -20,26 +34,56 @@ from jax.sharding import PartitionSpec as P
 
 import collective_matmul as cm
 
+print("process", jax.process_index(), "devices", jax.local_devices(),
+      "of", jax.devices(), flush=True)
 mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-m, k, n = 512, 2048, 1024
+m, k, n = 1024, 2048, 1024
+i = jax.process_index()
 rng = np.random.default_rng(0)
 a_full = rng.standard_normal((2 * m, k)).astype(np.float32)
 b_full = rng.standard_normal((k, 2 * n)).astype(np.float32)
+rounded = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+
+
+def global_array(local, spec):
+  return multihost_utils.host_local_array_to_global_array(
+      jnp.asarray(local, jnp.bfloat16), mesh, spec)
+
+
+def check(name, fn, args, ref):
+  if name != "xla_all_gather":
+    hlo = fn.lower(*args).as_text()
+    assert "mosaic_gpu" in hlo, f"{name}: the Pallas kernel was not used"
+  out = fn(*args)
+  local = np.asarray(out.addressable_shards[0].data, np.float32)
+  assert np.isfinite(local).all(), f"{name}: non-finite output"
+  err = np.linalg.norm(local - ref) / np.linalg.norm(ref)
+  assert err < 1e-2, (name, err)
+  print(f"OK {name} rel_err {err:.3e}", flush=True)
+
+
 with jax.set_mesh(mesh):
-  a = multihost_utils.host_local_array_to_global_array(
-      jnp.asarray(a_full[jax.process_index() * m:][:m], jnp.bfloat16), mesh,
-      P("x", None))
-  b = multihost_utils.host_local_array_to_global_array(
-      jnp.asarray(b_full[:, jax.process_index() * n:][:, :n], jnp.bfloat16),
-      mesh, P(None, "x"))
+  a = global_array(a_full[i * m:(i + 1) * m], P("x", None))
+  if os.environ.get("CM_MP_CONTROL") == "1":
+    f = jax.jit(jax.shard_map(
+        lambda x: jax.lax.all_gather(x, "x", tiled=True),
+        out_specs=P(None), check_vma=False))
+    check("xla_all_gather", f, (a,), rounded(a_full))
+    sys.exit(0)
+  # All-gather kernel: all_gather(a) @ b[:, this device's columns].
+  b = global_array(b_full[:, i * n:(i + 1) * n], P(None, "x"))
   f = jax.jit(jax.shard_map(
       functools.partial(cm.all_gather_matmul, axis_name="x", impl="pallas"),
       out_specs=P(None, "x"), check_vma=False))
-  out = f(a, b)
-  local = np.asarray(out.addressable_shards[0].data, np.float32)
-  i = jax.process_index()
-  ref = (a_full.astype(jnp.bfloat16).astype(np.float32)
-         @ b_full[:, i * n:(i + 1) * n].astype(jnp.bfloat16).astype(np.float32))
-  err = np.linalg.norm(local - ref) / np.linalg.norm(ref)
-  assert err < 1e-2, err
-  print("OK rel_err", err, flush=True)
+  check("all_gather_matmul", f, (a, b),
+        rounded(a_full) @ rounded(b_full[:, i * n:(i + 1) * n]))
+  # Reduce-scatter kernel: x [2m, k/2 local] @ w [k/2 local, n].
+  kh = k // 2
+  x = global_array(a_full[:, i * kh:(i + 1) * kh], P(None, "x"))
+  w = global_array(b_full[i * kh:(i + 1) * kh, :n], P("x", None))
+  g = jax.jit(jax.shard_map(
+      functools.partial(cm.matmul_reduce_scatter, axis_name="x",
+                        impl="pallas"),
+      out_specs=P("x", None), check_vma=False))
+  check("matmul_reduce_scatter", g, (x, w),
+        (rounded(a_full) @ rounded(b_full[:, :n]))[i * m:(i + 1) * m])

@@ -131,4 +131,5 @@ def test_one_process_per_gpu():
   outs = [p.communicate(timeout=240)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
-    assert "OK rel_err" in out, out[-3000:]
+    for kernel in ("all_gather_matmul", "matmul_reduce_scatter"):
+      assert f"OK {kernel} rel_err" in out, out[-3000:]
