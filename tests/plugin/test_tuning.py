@@ -310,6 +310,25 @@ def test_select_config_prefers_cached_entry():
   assert tuning.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
 
 
+def test_cache_entries_of_the_two_kernels_never_mix(_private_cache):
+  m, k, n = 1024, 4096, 4096
+  heuristic_rs = tuning.select_reduce_scatter_config(m, k, n, "bfloat16", 2)
+  tuned_ag = Config(tile_m=64, tile_n=64, send_gap=8)
+  tuning.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2)
+  assert tuning.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+  # The all-gather kernel's entry is not the reduce-scatter kernel's.
+  assert tuning.select_reduce_scatter_config(m, k, n, "bfloat16",
+                                             2) == heuristic_rs
+  tuned_rs = dataclasses.replace(heuristic_rs, send_gap=16)
+  tuning.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2,
+                             pattern="reduce_scatter")
+  assert tuning.select_reduce_scatter_config(m, k, n, "bfloat16",
+                                             2) == tuned_rs
+  assert tuning.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+  with pytest.raises(ValueError, match="pattern"):
+    tuning.cache_key(m, k, n, "bfloat16", 2, "H100", pattern="matmul")
+
+
 def test_corrupt_cache_is_ignored(_private_cache):
   _private_cache.parent.mkdir(parents=True)
   _private_cache.write_text("{not json")

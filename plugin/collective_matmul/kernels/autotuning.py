@@ -5,6 +5,9 @@ shape (CUPTI kernel time, minimum over devices per kernel, summed), checks
 each result against the `ring` implementation, and stores the fastest in the
 cache that `tuning.select_config` reads first (keyed by device kind, dtype,
 D and local shape). Needs the GPUs of the ring; run it once per shape.
+Tunes the all-gather kernel; the reduce-scatter kernel's cache entries
+(`pattern="reduce_scatter"` in `tuning.store_cached_config`) are separate,
+so a tuned all-gather config never changes the reduce-scatter kernel.
 """
 from __future__ import annotations
 

@@ -204,12 +204,18 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   still gives at least half the SMs work across the ring. Pipeline depth is
   reduced where a float32 output's epilogue buffers would not fit.
   """
-  cached = load_cached_config(m, k, n, dtype, axis_size)
-  if cached is not None:
-    fitted = fit_shared_memory(cached, dtype, out_dtype)
-    if fitted is not None:
-      return fitted
+  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype, "all_gather")
+  return cached or _heuristic_config(m, k, n, dtype, axis_size, num_sms,
+                                     out_dtype)
 
+
+def _cached_fitting(m, k, n, dtype, axis_size, out_dtype, pattern):
+  cached = load_cached_config(m, k, n, dtype, axis_size, pattern=pattern)
+  return None if cached is None else fit_shared_memory(cached, dtype,
+                                                       out_dtype)
+
+
+def _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype):
   def score(cfg: AllGatherMatmulConfig):
     pad = padding(cfg, m, k, n)
     waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
@@ -236,9 +242,14 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   (the kernel does not forward from its pipeline, so it releases slots
   without delay and 3 stages prefetch as deep as the all-gather's 4).
   Kept as selected when a wider epilogue would leave fewer than 3 stages.
-  Measured on 2 x H200: benchmarks/RESULTS.md.
+  Measured on 2 x H200: benchmarks/RESULTS.md. An autotune cache entry for
+  this pattern (never the all-gather kernel's) takes precedence.
   """
-  base = select_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
+  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
+                           "reduce_scatter")
+  if cached is not None:
+    return cached
+  base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
   if base.tile_m % 2 or (base.tile_m // 2) % 64:
     return base
   # send_gap 24: 0.3-1.0 % faster than 12 at the three benchmark shapes.
@@ -258,9 +269,17 @@ def cache_path() -> str:
                    "tuning.json"))
 
 
-def cache_key(m, k, n, dtype, axis_size, device_kind=None) -> str:
+CACHE_PATTERNS = ("all_gather", "reduce_scatter")
+
+
+def cache_key(m, k, n, dtype, axis_size, device_kind=None,
+              pattern="all_gather") -> str:
+  """Key of a cache entry; the two kernels' entries never mix."""
+  if pattern not in CACHE_PATTERNS:
+    raise ValueError(f"pattern {pattern!r} is not one of {CACHE_PATTERNS}")
   kind = device_kind or _local_device_kind()
-  return f"{kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+  key = f"{kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+  return key if pattern == "all_gather" else f"{pattern}|{key}"
 
 
 def _local_device_kind() -> str:
@@ -268,28 +287,31 @@ def _local_device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def load_cached_config(m, k, n, dtype, axis_size, device_kind=None):
+def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
+                       pattern="all_gather"):
   path = cache_path()
   if not os.path.exists(path):
     return None
   try:
     with open(path) as f:
       entry = json.load(f).get(cache_key(m, k, n, dtype, axis_size,
-                                         device_kind))
+                                         device_kind, pattern))
   except (OSError, ValueError):
     return None
   return AllGatherMatmulConfig(**entry) if entry else None
 
 
 def store_cached_config(config: AllGatherMatmulConfig, m, k, n, dtype,
-                        axis_size, device_kind=None) -> str:
+                        axis_size, device_kind=None, *,
+                        pattern="all_gather") -> str:
   path = cache_path()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   table = {}
   if os.path.exists(path):
     with open(path) as f:
       table = json.load(f)
-  table[cache_key(m, k, n, dtype, axis_size, device_kind)] = config.to_json()
+  table[cache_key(m, k, n, dtype, axis_size, device_kind,
+                  pattern)] = config.to_json()
   with open(path + ".tmp", "w") as f:
     json.dump(table, f, indent=1, sort_keys=True)
   os.replace(path + ".tmp", path)
