@@ -131,3 +131,26 @@ def test_kernel_rejects_bad_input_naming_it(bad, match):
     with pytest.raises(ValueError, match=match):
       jax.eval_shape(f, _spec(mesh, (1024, 256), P("x", None), dtype),
                      _spec(mesh, (256, 512), P(None, "x"), dtype))
+
+
+@pytest.mark.parametrize("k,n,rows_per_batch,match", [
+    (256, 256, 96, "rows_per_batch=96 must divide"),
+    (200, 256, 128, "rows_per_batch needs k=100"),  # k per device pads.
+    (256, 256, None, None),
+    (256, 256, 128, None),
+])
+def test_reduce_scatter_kernel_checks_its_row_layout(k, n, rows_per_batch,
+                                                      match):
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(
+        functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
+                          rows_per_batch=rows_per_batch),
+        out_specs=P("x", None), check_vma=False)
+    args = (_spec(mesh, (2 * 512, k), P(None, "x")),
+            _spec(mesh, (k, n), P("x", None)))
+    if match is None:
+      assert jax.eval_shape(f, *args).shape == (2 * 512, n)
+    else:
+      with pytest.raises(ValueError, match=match):
+        jax.eval_shape(f, *args)

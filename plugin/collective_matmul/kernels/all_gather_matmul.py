@@ -217,15 +217,8 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
   if config is None:
     config = tuning.select_config(m, k, n, lhs.dtype, axis_size,
                                     out_dtype=out_dtype)
-  common.check_shared_memory(config, lhs.dtype, out_dtype)
-  pad = tuning.padding(config, m, k, n)
-  if rows_per_batch is not None and rows_per_batch != m:
-    if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
-      raise ValueError(
-          f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
-          f"multiple of the CTA tile rows {config.cta_tile_m}")
-  else:
-    rows_per_batch = m + pad.m
+  pad, rows_per_batch = common.tile_plan(config, m, k, n, lhs.dtype,
+                                         out_dtype, rows_per_batch)
   if pad.any:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
     rhs = jnp.pad(rhs, ((0, pad.k), (0, pad.n)))

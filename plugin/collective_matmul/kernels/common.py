@@ -107,6 +107,24 @@ def check_shared_memory(config, dtype, out_dtype):
                      f"than the {tuning.SMEM_BYTES} a Hopper block has")
 
 
+def tile_plan(config, m, k, n, dtype, out_dtype, rows_per_batch):
+  """Checks `config` for local sizes m x k x n; returns (padding, row run).
+
+  The row run is `rows_per_batch` when it asks for the batch-major layout
+  (validated against the tiles), else the padded m: one run of rows.
+  """
+  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
+  check_shared_memory(config, dtype, out_dtype)
+  pad = tuning.padding(config, m, k, n)
+  if rows_per_batch is None or rows_per_batch == m:
+    return pad, m + pad.m
+  if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
+    raise ValueError(
+        f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
+        f"multiple of the CTA tile rows {config.cta_tile_m}")
+  return pad, rows_per_batch
+
+
 def ring_neighbours(axis_name, axis_size):
   """(this device's index, the index it sends to) on the ring d -> d - 1."""
   dev = lax.axis_index(axis_name)

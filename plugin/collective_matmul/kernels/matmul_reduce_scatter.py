@@ -276,18 +276,12 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
   if config is None:
     config = tuning.select_reduce_scatter_config(m, k, n, x.dtype, axis_size,
                                                  out_dtype=out_dtype)
-  common.check_shared_memory(config, x.dtype, out_dtype)
-  pad = tuning.padding(config, m, k, n)
-  if rows_per_batch is not None and rows_per_batch != m:
-    if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
-      raise ValueError(
-          f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
-          f"multiple of the CTA tile rows {config.cta_tile_m}")
-    if pad.any:
-      raise ValueError(f"rows_per_batch needs k={k} and n={n} to fit the "
-                       f"tiles of {config}")
-  else:
-    rows_per_batch = m + pad.m
+  batch_major = rows_per_batch is not None and rows_per_batch != m
+  pad, rows_per_batch = common.tile_plan(config, m, k, n, x.dtype, out_dtype,
+                                         rows_per_batch)
+  if batch_major and pad.any:
+    raise ValueError(f"rows_per_batch needs k={k} and n={n} to fit the "
+                     f"tiles of {config}")
   if pad.any:
     x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
     x = x.reshape(axis_size * (m + pad.m), k + pad.k)
