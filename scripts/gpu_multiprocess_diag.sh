@@ -47,6 +47,7 @@ for c in $cases; do
     persistent) run_case persistent NCCL_DEBUG=WARN XLA_FLAGS=--xla_gpu_enable_persistent_symmetric_memory=true ;;
     platform_alloc) run_case platform_alloc NCCL_DEBUG=WARN XLA_PYTHON_CLIENT_ALLOCATOR=platform ;;
     nvshmem_visible) run_case nvshmem_visible CM_MP_NVSHMEM=1 CM_MP_DEVICES=visible NVSHMEM_DEBUG=INFO ;;
+    *) echo "unknown case '$c' (known: control local_ids visible nvshmem symmetric user_buffers persistent platform_alloc nvshmem_visible)" >&2 ;;
   esac
 done
 # The device tool returns a limited number of files: one archive.

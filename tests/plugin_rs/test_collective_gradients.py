@@ -37,6 +37,20 @@ def _all_gather_problem(rng, data, tensor, dtype):
   return x, w, jnp.asarray(cotangent, jnp.float32)
 
 
+def _op_problem(rng, op, dtype):
+  """(x, w, cotangent, in_specs, out_spec, op fn, baseline fn, kwargs) on a
+  2 x 4 mesh, the collective over axis 1 of 3-D activations."""
+  if op == "all_gather":
+    x, w, cotangent = _all_gather_problem(rng, 2, 4, dtype)
+    in_specs, out_spec = utils.all_gather_specs(3, 1)
+    return (x, w, cotangent, in_specs, out_spec, ops.all_gather_matmul,
+            ring.baseline_all_gather_matmul, {"gather_axis": 1})
+  x, w, cotangent = _reduce_scatter_problem(rng, 2, 4, dtype)
+  in_specs, out_spec = utils.reduce_scatter_specs(3, 1)
+  return (x, w, cotangent, in_specs, out_spec, ops.matmul_reduce_scatter,
+          ring.baseline_matmul_reduce_scatter, {"scatter_axis": 1})
+
+
 def _assert_same_loss(actual, expected, cotangent, k):
   # A scalar has no spread to scale by: use the size of the terms summed,
   # |y| ~ sqrt(k) times |cotangent|, so a loss near zero is no false alarm.
@@ -90,19 +104,11 @@ def test_all_gather_matmul_grads_equal_baseline_autodiff(
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 def test_bf16_grads_close_to_baseline_autodiff(rng, op):
   mesh = utils.mesh(2, 4)
-  if op == "all_gather":
-    x, w, cotangent = _all_gather_problem(rng, 2, 4, "bfloat16")
-    in_specs, out_spec = utils.all_gather_specs(3, 1)
-    fns = (ring.baseline_all_gather_matmul, ops.all_gather_matmul)
-    kwargs = {"gather_axis": 1}
-  else:
-    x, w, cotangent = _reduce_scatter_problem(rng, 2, 4, "bfloat16")
-    in_specs, out_spec = utils.reduce_scatter_specs(3, 1)
-    fns = (ring.baseline_matmul_reduce_scatter, ops.matmul_reduce_scatter)
-    kwargs = {"scatter_axis": 1}
-  expected = _loss_and_grads(fns[0], mesh, in_specs, out_spec, cotangent,
+  x, w, cotangent, in_specs, out_spec, fn, baseline, kwargs = _op_problem(
+      rng, op, "bfloat16")
+  expected = _loss_and_grads(baseline, mesh, in_specs, out_spec, cotangent,
                              **kwargs)(x, w)
-  actual = _loss_and_grads(fns[1], mesh, in_specs, out_spec, cotangent,
+  actual = _loss_and_grads(fn, mesh, in_specs, out_spec, cotangent,
                            impl="ring", **kwargs)(x, w)
   _assert_same(actual[1], expected[1], "bfloat16")
 
@@ -111,14 +117,8 @@ def test_bf16_grads_close_to_baseline_autodiff(rng, op):
 @pytest.mark.parametrize("impl", ["ring", "baseline"])
 def test_save_gathered_gives_the_same_grads(rng, op, impl):
   mesh = utils.mesh(2, 4)
-  if op == "all_gather":
-    x, w, cotangent = _all_gather_problem(rng, 2, 4, "float32")
-    in_specs, out_spec = utils.all_gather_specs(3, 1)
-    fn, kwargs = ops.all_gather_matmul, {"gather_axis": 1}
-  else:
-    x, w, cotangent = _reduce_scatter_problem(rng, 2, 4, "float32")
-    in_specs, out_spec = utils.reduce_scatter_specs(3, 1)
-    fn, kwargs = ops.matmul_reduce_scatter, {"scatter_axis": 1}
+  x, w, cotangent, in_specs, out_spec, fn, _, kwargs = _op_problem(
+      rng, op, "float32")
   regathered, saved = (
       _loss_and_grads(fn, mesh, in_specs, out_spec, cotangent, impl=impl,
                       save_gathered=save, **kwargs)(x, w)
@@ -134,14 +134,8 @@ def test_save_gathered_compiles_one_all_gather_fewer(rng, op):
   # one that re-gathers for dw; saving the gathered operand removes it and
   # adds no ring (the shards are kept as they pass).
   mesh = utils.mesh(2, 4)
-  if op == "all_gather":
-    x, w, cotangent = _all_gather_problem(rng, 2, 4, "float32")
-    in_specs, out_spec = utils.all_gather_specs(3, 1)
-    fn, kwargs = ops.all_gather_matmul, {"gather_axis": 1}
-  else:
-    x, w, cotangent = _reduce_scatter_problem(rng, 2, 4, "float32")
-    in_specs, out_spec = utils.reduce_scatter_specs(3, 1)
-    fn, kwargs = ops.matmul_reduce_scatter, {"scatter_axis": 1}
+  x, w, cotangent, in_specs, out_spec, fn, _, kwargs = _op_problem(
+      rng, op, "float32")
   counts = {}
   for save in (False, True):
     hlo = _loss_and_grads(fn, mesh, in_specs, out_spec, cotangent,
