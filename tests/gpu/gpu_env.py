@@ -23,10 +23,14 @@ HOPPER_COUNT = _hopper_count()
 
 
 
-def ring_mesh(d):
-  """A 1-D Explicit mesh "x" over the first d devices."""
-  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
-                       axis_types=(jax.sharding.AxisType.Explicit,))
+def ring_mesh(d, data=None):
+  """An Explicit mesh "x" over the first d devices in id order (Mosaic GPU
+  wants row-major device ids), or ("data", "x") over data * d of them."""
+  shape, names = ((d,), ("x",)) if data is None else ((data, d), ("data", "x"))
+  devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return jax.sharding.Mesh(
+      devices, names,
+      axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
 
 
 def poison(nbytes):

@@ -40,7 +40,7 @@ def _run(impl, a, b, config=None, out_dtype=None):
 
 
 
-@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("d", [1, 2, 4])
 @pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (1000, 1024, 512),
                                    (256, 512, 384), (384, 2048, 1024)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -16,15 +16,12 @@ from gpu_env import rel_error as _rel
 from gpu_env import ring_mesh as _mesh
 
 
-
-
-
 def _run(fn, a, b):
   return jax.jit(jax.shard_map(fn, out_specs=P("x", None),
                                check_vma=False))(a, b)
 
 
-@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("d", [1, 2, 4])
 @pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (256, 1024, 512),
                                    (200, 512, 384)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -51,6 +48,32 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
     nccl = _run(lambda x, y: lax.psum_scatter(
         x @ y, "x", scatter_dimension=0, tiled=True), a, b)
     assert _rel(out, np.asarray(nccl, np.float32)) < 1e-2
+
+
+# Announce inside the k loop (k = 3200: 2 steps before its end) or after it
+# (k = 1536, and the unpaced and late variants); a one-step k loop (k = 64).
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("config,k", [
+    (None, 3200), (None, 1536), (None, 64),
+    (kernels.AllGatherMatmulConfig(early_announce=False), 1024),
+    (kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2), 1024)],
+    ids=["early", "late", "one_k_step", "late_flag", "unpaced"])
+def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
+  d, m, n = 2, 512, 768
+  with jax.set_mesh(_mesh(d)):
+    a = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(k), (d * m, d * k), jnp.bfloat16), P(None, "x"))
+    b = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(k + 1), (d * k, n), jnp.bfloat16), P("x", None))
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    f = functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
+                          config=config)
+    _poison(d * m * n * 4)
+    first = np.asarray(_run(f, a, b), np.float32)
+    assert _rel(first, ref) < 1e-2
+    _poison(d * m * n * 4)
+    np.testing.assert_array_equal(np.asarray(_run(f, a, b), np.float32),
+                                  first)
 
 
 @pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
@@ -126,16 +149,20 @@ def test_reduce_scatter_kernel_reads_batch_major_rows():
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+# (data, tensor): a 2-GPU ring, and a 2 x 2 mesh whose rings run on the
+# tensor axis with the batch on the data axis (peers addressed per axis).
+@pytest.mark.parametrize("data,d", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
 @pytest.mark.parametrize("save_gathered", [False, True])
-def test_pallas_ops_gradients_match_baseline(save_gathered):
+def test_pallas_ops_gradients_match_baseline(save_gathered, data, d):
   """Both collective ops through impl=pallas, forward and backward."""
   import collective_matmul as cm
-  d, batch, seq, e, f = 2, 2, 256, 512, 1024
-  with jax.set_mesh(_mesh(d)):
+  if data * d > HOPPER_COUNT:
+    pytest.skip(f"needs {data * d} GPUs")
+  batch, seq, e, f = 2 * data, 256, 512, 1024
+  with jax.set_mesh(_mesh(d, data=data)):
     x = jax.sharding.reshard(jax.random.normal(
         jax.random.key(15), (batch, d * seq, e), jnp.bfloat16),
-        P(None, "x", None))
+        P("data", "x", None))
     wi = jax.sharding.reshard(jax.random.normal(
         jax.random.key(16), (e, d * f), jnp.bfloat16) * e ** -0.5,
         P(None, "x"))
@@ -151,7 +178,8 @@ def test_pallas_ops_gradients_match_baseline(save_gathered):
         return cm.matmul_reduce_scatter(h, wob, "x", scatter_axis=1,
                                         impl=impl,
                                         save_gathered=save_gathered)
-      f = jax.shard_map(body, out_specs=P(None, "x", None), check_vma=False)
+      f = jax.shard_map(body, out_specs=P("data", "x", None),
+                        check_vma=False)
       loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
       return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 

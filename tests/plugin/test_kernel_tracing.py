@@ -49,19 +49,28 @@ def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
   assert held.shape == (d * d, m, k)
 
 
+RS_CONFIGS = [None, kernels.AllGatherMatmulConfig(early_announce=False),
+              kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2)]
+
+
 @pytest.mark.parametrize("d", [1, 2, 4])
 @pytest.mark.parametrize("m,n", [(512, 512), (200, 384)])
-def test_reduce_scatter_kernel_traces_with_the_shapes_it_promises(d, m, n):
+@pytest.mark.parametrize("k", [256, 64])  # 64: a one-step k loop.
+@pytest.mark.parametrize("config", RS_CONFIGS, ids=str)
+def test_reduce_scatter_kernel_traces_with_the_shapes_it_promises(
+    d, m, n, k, config):
   mesh = _mesh(d)
-  k = 256
+  # The picked config fits f32 partial sums; the explicit ones (4 stages,
+  # 64 x 64 epilogue) fit bf16.
+  out_dtype = jnp.float32 if config is None else jnp.bfloat16
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
-                          out_dtype=jnp.float32),
+                          out_dtype=out_dtype, config=config),
         out_specs=P("x", None), check_vma=False)
     out = jax.eval_shape(f, _spec(mesh, (d * m, d * k), P(None, "x")),
                          _spec(mesh, (d * k, n), P("x", None)))
-  assert out.shape == (d * m, n) and out.dtype == jnp.float32
+  assert out.shape == (d * m, n) and out.dtype == out_dtype
 
 
 def test_batch_major_rows_trace_for_both_kernels():

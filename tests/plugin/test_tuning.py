@@ -90,6 +90,24 @@ def test_partial_send_steps_fall_inside_the_k_loop(k_iters, slots, gap):
       assert steps[1] - steps[0] == gap
 
 
+@pytest.mark.parametrize("k_iters", [1, 2, 25, 49, 64, 224])
+@pytest.mark.parametrize("deferred", [True, False])
+def test_partial_announce_step_follows_the_last_send(k_iters, deferred):
+  gap, slots = 24, 2
+  step = tuning.partial_announce_step(k_iters, slots, gap, deferred)
+  last_send = tuning.partial_send_steps(k_iters, slots, gap)[-1]
+  if step is None:  # Announced after the loop: no step gap after the sends.
+    assert (last_send if deferred else 0) + gap >= k_iters
+  else:
+    assert 0 < step < k_iters
+    assert step - (last_send if deferred else 0) == gap
+
+
+def test_reduce_scatter_announce_at_the_seed_shape():
+  # 64 k steps of 64: sends at 0 and 24, announce at 48.
+  assert tuning.partial_announce_step(64, 2, 24, True) == 48
+
+
 def test_reduce_scatter_config_at_the_seed_shape():
   config = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
   assert (config.epi_tile_m, config.epi_tile_n) == (64, 128)

@@ -19,9 +19,13 @@ Overlap details (measured in benchmarks/RESULTS.md):
   during the *next* tile's k loop, one slot every `send_gap` steps
   (`spread_sends`), so the SMs do not all store at once and the link does
   not hold up the next tile's loads;
-* its arrival is announced after that k loop (wait for the stores, then
-  signal), so no warpgroup waits on NVLink while it could compute; a
-  block's last tile sends and announces from its own epilogue;
+* its arrival is announced `send_gap` steps after its last send, still
+  inside that k loop (`early_announce`; wait for the stores, then signal),
+  so the peer finds it landed when its own loop ends, and no warpgroup
+  waits on NVLink while it could compute; a block's last tile sends and
+  announces from its own epilogue;
+* a tile that receives starts loading the partial sum while its last
+  wgmma drains;
 * pipeline slots are released without delay (nothing is forwarded from
   them), so 3 stages prefetch as deep as the all-gather kernel's 4 and the
   shared memory of the fourth holds a whole-tile epilogue.
@@ -129,6 +133,11 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
       send_steps = tuning.partial_send_steps(k_iters, len(epi_tiles),
                                              config.send_gap)
       is_last = loop_info.local_index == loop_info.num_local_steps - 1
+      # Where the previous tile's partial sum is announced: inside this k
+      # loop once its stores had `send_gap` steps to land, else after it.
+      announce_step = (tuning.partial_announce_step(
+          k_iters, len(epi_tiles), config.send_gap, defer)
+                       if ring and config.early_announce else None)
       if ring:
         prev_step, prev_m, prev_n = coordinates(
             linear - lax.axis_size("cluster_grid"))
@@ -152,8 +161,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
                            acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)
-          if ring:
+          if ring and announce_step is None:
             # The previous tile's stores to the peer had this tile's whole
             # k loop to land: announce them only now, so that waiting for
             # NVLink never stalls the tensor cores.
@@ -162,11 +170,19 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
               announce(prev_step, prev_m, prev_n)
 
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-          def run_epilogue(receive, store):
-            if receive:
+          if ring:
+            # The received partial sum starts loading while the last wgmma
+            # drains.
+            @pl.when(step > 0)
+            def _receive_partial():
+              pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
+                                decrement=False)
               for i in range(min(2, len(epi_tiles))):
                 load_partial(i)
+
+          acc = acc_ref[...].astype(out_dtype)
+
+          def run_epilogue(receive, store):
             for i in range(len(epi_tiles)):
               slot = i % 2
               if receive:
@@ -199,11 +215,6 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
             run_epilogue(False, to_output)
             return
 
-          @pl.when(step > 0)
-          def _wait_partial():
-            pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
-                              decrement=False)
-
           @pl.when(step == 0)
           def _first():
             run_epilogue(False, to_peer)
@@ -223,13 +234,17 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        (kk,) = idxs
         if defer:
-          (kk,) = idxs
           for i, send_step in enumerate(send_steps):
             @pl.when(prev_sends & (kk == send_step))
             def _send_previous():
               plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, i],
                                       peer_slot(prev_step, prev_m, prev_n, i))
+        if announce_step is not None:
+          @pl.when(prev_sends & (kk == announce_step))
+          def _announce_previous():
+            announce(prev_step, prev_m, prev_n)
         plgpu.wgmma_wait(1)
         return acc_ref
 

@@ -48,6 +48,11 @@ class AllGatherMatmulConfig:
     send_gap: pipeline steps between two sends of one tile. A send holds its
       shared-memory slot until NVLink has read it; with every SM sending at
       once, back-to-back sends would stall the pipeline on the link.
+    early_announce: reduce-scatter kernel: signal a partial sum's arrival
+      `send_gap` steps after its last send, inside the next tile's k loop
+      (`partial_announce_step`), instead of after that loop, so the peer's
+      epilogue finds it landed rather than waiting for a loop that ends at
+      the same moment as its own.
   """
 
   tile_m: int = 128
@@ -61,6 +66,7 @@ class AllGatherMatmulConfig:
   epi_tile_n: int = 64
   spread_sends: bool = True
   send_gap: int = 12
+  early_announce: bool = True
   loopback_for_timing: bool = False
 
   def __post_init__(self):
@@ -353,6 +359,17 @@ def partial_send_steps(k_iters: int, slots: int, gap: int) -> list[int]:
   falls inside the k loop (all at step 0 when the loop has one step)."""
   gap = min(gap, (k_iters - 1) // max(slots - 1, 1))
   return [i * gap for i in range(slots)]
+
+
+def partial_announce_step(k_iters: int, slots: int, gap: int,
+                          deferred: bool) -> int | None:
+  """Pipeline step at which the reduce-scatter kernel announces the previous
+  tile's partial sum: `gap` steps after its last send (the sends left in
+  the previous epilogue when not `deferred`), or None (after the k loop)
+  when that falls outside the loop."""
+  last_send = partial_send_steps(k_iters, slots, gap)[-1] if deferred else 0
+  step = last_send + gap
+  return step if step < k_iters else None
 
 
 def sender_share(n_idx, k_iters: int, per: int):

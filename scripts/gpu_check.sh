@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU checks for one device call, as named steps; each step has its own
+# timeout (a hung ring costs that step, not the call), its log under OUTDIR
+# and a one-line summary on stdout.
+#
+# Usage (GPU machine, repo root):
+#   bash scripts/gpu_check.sh OUTDIR STEP [STEP ...]
+# Steps:
+#   tests_rs     tests/gpu/test_reduce_scatter_kernel.py
+#   tests_ag     tests/gpu/test_all_gather_kernel.py (single process)
+#   multiprocess tests/gpu/multiprocess_check.py as one process per GPU
+#   bench_rs     bench_kernels.py, reduce-scatter shapes ($BENCH_ARGS appended)
+#   bench_ag     bench_kernels.py, all-gather shapes ($BENCH_ARGS appended)
+#   ab           the reference host's A/B training step (llama3-8b, 2 layers)
+# Step timeouts can be set as TIMEOUT_<step>=seconds.
+set -u
+out=${1:?usage: gpu_check.sh OUTDIR STEP...}; shift
+mkdir -p "$out"
+export PYTHONPATH=plugin:host NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv \
+  > "$out/gpu_info.txt" 2>&1
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
+
+step_timeout() { local v="TIMEOUT_$1"; echo "${!v:-$2}"; }
+
+run_step() {  # name, default timeout, command...
+  local name=$1 limit; limit=$(step_timeout "$1" "$2"); shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s (limit ${limit}s)"
+  return $rc
+}
+
+for step in "$@"; do
+  case $step in
+    tests_rs)
+      run_step tests_rs 240 python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_reduce_scatter_kernel.py
+      tail -3 "$out/tests_rs.log";;
+    tests_ag)
+      run_step tests_ag 240 python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_all_gather_kernel.py -k "not one_process_per_gpu"
+      tail -3 "$out/tests_ag.log";;
+    multiprocess)
+      for r in $(seq 0 $((ngpu - 1))); do
+        RANK=$r XLA_PYTHON_CLIENT_PREALLOCATE=false \
+          run_step "multiprocess_$r" 120 python tests/gpu/multiprocess_check.py &
+      done
+      wait
+      grep -h "^OK " "$out"/multiprocess_*.log || tail -3 "$out"/multiprocess_*.log;;
+    bench_rs)
+      run_step bench_rs 300 python scripts/bench_kernels.py --shapes \
+        --out "$out/raw_reduce_scatter.json" "${bench_args[@]}"
+      tail -5 "$out/bench_rs.log";;
+    bench_ag)
+      run_step bench_ag 330 python scripts/bench_kernels.py --rs-shapes \
+        --out "$out/raw_kernels.json" "${bench_args[@]}"
+      tail -9 "$out/bench_ag.log";;
+    ab)
+      run_step ab 300 python scripts/ab_compare.py model_configs/base.yml \
+        model_name=llama3-8b base_num_decoder_layers=2 max_target_length=4096 \
+        per_device_batch_size=2 ici_tensor_sequence_parallelism="$ngpu" \
+        steps=10 fused_mlp=True fused_qkv=True enable_checkpointing=False \
+        --output_dir "$out/ab"
+      grep -v "^  " "$out/ab.log" | grep -v "^I1\|^W1" | tail -8;;
+    *)
+      echo "unknown step '$step' (see the header of $0)"; exit 2;;
+  esac
+done
