@@ -56,8 +56,10 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
 @pytest.mark.parametrize("config,k", [
     (None, 3200), (None, 1536), (None, 64),
     (kernels.AllGatherMatmulConfig(early_announce=False), 1024),
-    (kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2), 1024)],
-    ids=["early", "late", "one_k_step", "late_flag", "unpaced"])
+    (kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2), 1024),
+    (kernels.AllGatherMatmulConfig(epi_tile_n=128, max_concurrent_steps=3,
+                                   send_pieces=4, send_gap=3), 1024)],
+    ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
   d, m, n = 2, 512, 768
   with jax.set_mesh(_mesh(d)):

@@ -50,7 +50,10 @@ def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
 
 
 RS_CONFIGS = [None, kernels.AllGatherMatmulConfig(early_announce=False),
-              kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2)]
+              kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2),
+              kernels.AllGatherMatmulConfig(epi_tile_n=128, send_pieces=4,
+                                            send_gap=3,
+                                            max_concurrent_steps=3)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

@@ -103,6 +103,12 @@ def test_partial_announce_step_follows_the_last_send(k_iters, deferred):
     assert step - (last_send if deferred else 0) == gap
 
 
+@pytest.mark.parametrize("pieces", [0, 3, 16])
+def test_send_pieces_must_split_the_epilogue_rows_in_multiples_of_8(pieces):
+  with pytest.raises(ValueError, match="send_pieces"):
+    tuning.AllGatherMatmulConfig(epi_tile_m=64, send_pieces=pieces)
+
+
 def test_reduce_scatter_announce_at_the_seed_shape():
   # 64 k steps of 64: sends at 0 and 24, announce at 48.
   assert tuning.partial_announce_step(64, 2, 24, True) == 48

@@ -130,13 +130,17 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
       # all at once from the epilogue, where every SM would store at the
       # same moment and the link would hold up the next tile's loads.
       defer = ring and config.spread_sends and len(epi_tiles) <= 2
-      send_steps = tuning.partial_send_steps(k_iters, len(epi_tiles),
-                                             config.send_gap)
+      # (epilogue slot, row piece, pipeline step) of each deferred send.
+      pieces = config.send_pieces
+      piece_m = epi_m // pieces
+      send_plan = [(j // pieces, j % pieces, step) for j, step in enumerate(
+          tuning.partial_send_steps(k_iters, len(epi_tiles) * pieces,
+                                    config.send_gap))]
       is_last = loop_info.local_index == loop_info.num_local_steps - 1
       # Where the previous tile's partial sum is announced: inside this k
       # loop once its stores had `send_gap` steps to land, else after it.
       announce_step = (tuning.partial_announce_step(
-          k_iters, len(epi_tiles), config.send_gap, defer)
+          k_iters, len(send_plan), config.send_gap, defer)
                        if ring and config.early_announce else None)
       if ring:
         prev_step, prev_m, prev_n = coordinates(
@@ -236,11 +240,13 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
         (kk,) = idxs
         if defer:
-          for i, send_step in enumerate(send_steps):
+          for i, piece, send_step in send_plan:
+            rows = pl.ds(piece * piece_m, piece_m)
             @pl.when(prev_sends & (kk == send_step))
             def _send_previous():
-              plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, i],
-                                      peer_slot(prev_step, prev_m, prev_n, i))
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg_idx, i].at[rows],
+                  peer_slot(prev_step, prev_m, prev_n, i).at[rows])
         if announce_step is not None:
           @pl.when(prev_sends & (kk == announce_step))
           def _announce_previous():

@@ -48,6 +48,10 @@ class AllGatherMatmulConfig:
     send_gap: pipeline steps between two sends of one tile. A send holds its
       shared-memory slot until NVLink has read it; with every SM sending at
       once, back-to-back sends would stall the pipeline on the link.
+    send_pieces: reduce-scatter kernel: each epilogue slot of a partial sum
+      leaves in this many row pieces, `send_gap` steps apart, so that no
+      store holds the SM's TMA unit long (a multiple-of-8-row split of
+      `epi_tile_m`).
     early_announce: reduce-scatter kernel: signal a partial sum's arrival
       `send_gap` steps after its last send, inside the next tile's k loop
       (`partial_announce_step`), instead of after that loop, so the peer's
@@ -66,6 +70,7 @@ class AllGatherMatmulConfig:
   epi_tile_n: int = 64
   spread_sends: bool = True
   send_gap: int = 12
+  send_pieces: int = 1
   early_announce: bool = True
   loopback_for_timing: bool = False
 
@@ -84,6 +89,11 @@ class AllGatherMatmulConfig:
         raise ValueError(f"{name}={getattr(self, name)!r} must be 'm' or 'n'")
     if self.send_gap < 1:
       raise ValueError(f"send_gap={self.send_gap} must be >= 1")
+    if (self.send_pieces < 1 or self.epi_tile_m % self.send_pieces
+        or (self.epi_tile_m // self.send_pieces) % 8):
+      raise ValueError(
+          f"send_pieces={self.send_pieces} must split epi_tile_m="
+          f"{self.epi_tile_m} into pieces of a multiple of 8 rows")
     if self.grid_tile_width < 1:
       raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
@@ -354,9 +364,10 @@ def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
 
 
 def partial_send_steps(k_iters: int, slots: int, gap: int) -> list[int]:
-  """Pipeline steps at which the reduce-scatter kernel sends each epilogue
-  slot of the previous tile: 0, gap, 2 * gap, ..., squeezed so the last
-  falls inside the k loop (all at step 0 when the loop has one step)."""
+  """Pipeline steps at which the reduce-scatter kernel sends each of the
+  previous tile's `slots` stores (epilogue slots x `send_pieces`): 0, gap,
+  2 * gap, ..., squeezed so the last falls inside the k loop (all at step 0
+  when the loop has one step)."""
   gap = min(gap, (k_iters - 1) // max(slots - 1, 1))
   return [i * gap for i in range(slots)]
 
