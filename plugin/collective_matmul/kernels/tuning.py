@@ -246,6 +246,11 @@ def _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype):
   return min(fitting, key=score)
 
 
+def _tiles_per_step(cfg: AllGatherMatmulConfig, m: int, n: int) -> int:
+  pad = padding(cfg, m, 0, n)
+  return ((m + pad.m) // cfg.cta_tile_m) * ((n + pad.n) // cfg.cta_tile_n)
+
+
 def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
                                  num_sms: int = 132,
                                  out_dtype=None) -> AllGatherMatmulConfig:
@@ -268,10 +273,17 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
   if base.tile_m % 2 or (base.tile_m // 2) % 64:
     return base
-  # send_gap 24: 0.3-1.0 % faster than 12 at the three benchmark shapes.
+  # Send pacing (history/12): when a ring step's tiles fit in one wave,
+  # every SM stores its partial sum at the same moment; 4 row pieces 6
+  # steps apart keep each remote store short (1024/4096/4096: 100.0 us vs
+  # 110.6 whole slots). Over several waves the SMs drift apart and 2 pieces
+  # 12 apart are best (1.2 % and 0.7 % faster than whole slots; 4 pieces
+  # are 12-14 % slower there, with or without the link).
+  pieces, gap = (4, 6) if _tiles_per_step(base, m, n) <= num_sms else (2, 12)
   wide = fit_shared_memory(
       dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
-                          epi_tile_n=base.tile_n, send_gap=24),
+                          epi_tile_n=base.tile_n, send_gap=gap,
+                          send_pieces=pieces),
       dtype, out_dtype)
   if wide is None or wide.max_concurrent_steps < 3:
     return base
