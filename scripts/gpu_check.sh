@@ -11,6 +11,7 @@
 #   multiprocess tests/gpu/multiprocess_check.py as one process per GPU
 #   bench_rs     bench_kernels.py, reduce-scatter shapes ($BENCH_ARGS appended)
 #   bench_ag     bench_kernels.py, all-gather shapes ($BENCH_ARGS appended)
+#   bench        bench_kernels.py with $BENCH_ARGS only (default: every shape)
 #   ab           the reference host's A/B training step (llama3-8b, 2 layers)
 # Step timeouts can be set as TIMEOUT_<step>=seconds.
 set -u
@@ -58,6 +59,10 @@ for step in "$@"; do
       run_step bench_ag 330 python scripts/bench_kernels.py --rs-shapes \
         --out "$out/raw_kernels.json" "${bench_args[@]}"
       tail -9 "$out/bench_ag.log";;
+    bench)
+      run_step bench 500 python scripts/bench_kernels.py \
+        --out "$out/raw_bench.json" "${bench_args[@]}"
+      grep -A12 "^pattern" "$out/bench.log";;
     ab)
       run_step ab 300 python scripts/ab_compare.py model_configs/base.yml \
         model_name=llama3-8b base_num_decoder_layers=2 max_target_length=4096 \
