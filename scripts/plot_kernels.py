@@ -20,7 +20,11 @@ def main(src, dst):
     data = json.load(f)
   rows = data["rows"]
   present = [m for m in METHODS if any(r.get(f"{m[0]}_us") for r in rows)]
-  labels = [f"{r['shape']}\n{r['dtype']}" for r in rows]
+  patterns = {r.get("pattern", "all_gather") for r in rows}
+  short = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
+  labels = [f"{r['shape']}\n{r['dtype']}" + (
+      f" {short[r.get('pattern', 'all_gather')]}" if len(patterns) > 1 else "")
+            for r in rows]
   x = np.arange(len(rows))
   width = 0.8 / len(present)
   fig, ax = plt.subplots(figsize=(12, 5.5))
@@ -33,12 +37,14 @@ def main(src, dst):
   ax.set_xticks(x, labels, fontsize=8)
   ax.set_ylabel("time / bound (lower is better)")
   ax.set_ylim(0, 2.0)
-  pattern = rows[0].get("pattern", "all_gather")
-  what = ("Matmul + reduce-scatter" if pattern == "reduce_scatter"
-          else "All-gather matmul")
-  ax.set_title(f"{what}, D={rows[0]['D']}, "
+  what = " and ".join(
+      "matmul + reduce-scatter" if p == "reduce_scatter" else "all-gather matmul"
+      for p in sorted(patterns))
+  clipped = (" (windowed einsum clipped at 2x)"
+             if any(r.get("windowed_us") for r in rows) else "")
+  ax.set_title(f"{what[0].upper() + what[1:]}, D={rows[0]['D']}, "
                f"{data['versions']['devices'][0]}, jax {data['versions']['jax']}"
-               " (windowed einsum clipped at 2x)")
+               + clipped)
   ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   fig.tight_layout()
   fig.savefig(dst, dpi=110)
