@@ -1,6 +1,7 @@
 """Autotune the Hopper kernel for local shapes and cache the winners on disk.
 
   python scripts/autotune.py --shapes 1024/4096/4096 4096/8192/7168 [--dtype bf16]
+  python scripts/autotune.py --pattern reduce_scatter --shapes 1024/4096/4096
 
 Uses all local GPUs as one ring (mesh axis "x"). The cache path is
 $COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
@@ -19,6 +20,10 @@ def main():
                       help="local m/k/n per shard")
   parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
   parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--pattern", default="all_gather",
+                      choices=list(kernels.autotuning.PATTERNS),
+                      help="which kernel: all_gather (shapes: shard m/k/n) "
+                      "or reduce_scatter (m rows after the scatter/k/n)")
   args = parser.parse_args()
   dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16}[args.dtype]
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
@@ -26,7 +31,8 @@ def main():
   for text in args.shapes:
     m, k, n = map(int, text.split("/"))
     best, results = kernels.autotune(m, k, n, dtype, mesh, "x",
-                                     iterations=args.iterations)
+                                     iterations=args.iterations,
+                                     pattern=args.pattern)
     for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:
       print(f"{text}: {us:8.1f} us  {name}")
     print(f"{text}: best {best}")

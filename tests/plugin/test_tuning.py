@@ -381,3 +381,30 @@ def test_kernel_config_epilogue_must_divide_tile():
 def test_kernel_config_json_roundtrip():
   config = Config(tile_m=64, wg_dimension="m", send_gap=3)
   assert Config(**json.loads(json.dumps(config.to_json()))) == config
+
+
+# ------------------------------------------------------------ autotune candidates
+@pytest.mark.parametrize("shape", [(1024, 4096, 4096), (4096, 7168, 8192),
+                                   (300, 512, 384)])
+def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
+  from collective_matmul.kernels import autotuning
+  chosen = tuning.select_reduce_scatter_config(*shape, "bfloat16", 2)
+  candidates = list(autotuning.candidate_configs("reduce_scatter", *shape,
+                                                 dtype="bfloat16"))
+  assert chosen in candidates
+  assert len(set(candidates)) == len(candidates)
+  assert {c.send_pieces for c in candidates} == {1, 2, 4}
+  # Only the pacing varies: the tiles are the chosen ones.
+  assert {(c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
+           c.max_concurrent_steps) for c in candidates} == {
+               (chosen.tile_m, chosen.tile_n, chosen.epi_tile_m,
+                chosen.epi_tile_n, chosen.max_concurrent_steps)}
+
+
+def test_autotune_candidates_reject_an_unknown_pattern():
+  from collective_matmul.kernels import autotuning
+  with pytest.raises(ValueError, match="pattern"):
+    list(autotuning.candidate_configs("all_reduce"))
+  with pytest.raises(ValueError, match="m, k and n"):
+    list(autotuning.candidate_configs("reduce_scatter"))
+

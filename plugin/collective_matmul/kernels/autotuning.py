@@ -5,9 +5,9 @@ shape (CUPTI kernel time, minimum over devices per kernel, summed), checks
 each result against the `ring` implementation, and stores the fastest in the
 cache that `tuning.select_config` reads first (keyed by device kind, dtype,
 D and local shape). Needs the GPUs of the ring; run it once per shape.
-Tunes the all-gather kernel; the reduce-scatter kernel's cache entries
-(`pattern="reduce_scatter"` in `tuning.store_cached_config`) are separate,
-so a tuned all-gather config never changes the reduce-scatter kernel.
+Tunes either kernel (`pattern`); the two kernels' cache entries are keyed
+apart, so a tuned all-gather config never changes the reduce-scatter
+kernel and vice versa.
 """
 from __future__ import annotations
 
@@ -25,12 +25,36 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul.kernels import tuning
 
 
-def candidate_configs():
-  """The configurations autotuning tries."""
-  for base in tuning._candidates():  # pylint: disable=protected-access
-    for gap in (8, 12, 16):
-      for width in (4, 8):
-        yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
+PATTERNS = tuning.CACHE_PATTERNS
+
+
+def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
+                      dtype=jnp.bfloat16, axis_size: int = 2):
+  """The configurations autotuning tries for `pattern`.
+
+  All-gather: every tile candidate x send gap x grid width. Reduce-scatter:
+  the send pacing around the chosen config of local shape m x k x n (row
+  pieces x send gap; the pacing that wins depends on how many waves a ring
+  step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
+  """
+  if pattern == "all_gather":
+    for base in tuning._candidates():  # pylint: disable=protected-access
+      for gap in (8, 12, 16):
+        for width in (4, 8):
+          yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
+    return
+  if pattern != "reduce_scatter":
+    raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+  if None in (m, k, n):
+    raise ValueError("reduce-scatter candidates need the local m, k and n")
+  base = tuning.select_reduce_scatter_config(m, k, n, dtype, axis_size)
+  for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
+    for gap in gaps:
+      try:
+        yield dataclasses.replace(base, send_pieces=pieces, send_gap=gap)
+      except ValueError:  # Pieces that do not split this epilogue tile.
+        continue
+  yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
 
 
 def kernel_time_us(f, *args, iterations: int = 10):
@@ -59,11 +83,14 @@ def kernel_time_us(f, *args, iterations: int = 10):
 
 
 def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
-             configs=None, iterations: int = 5, store: bool = True):
-  """Finds the fastest correct config for local shards m x k and k x n.
+             configs=None, iterations: int = 5, store: bool = True,
+             pattern: str = "all_gather"):
+  """Finds the fastest correct config for one kernel and local shape.
 
   Args:
-    m, k, n: local (per-device) sizes.
+    m, k, n: local (per-device) sizes: all-gather, shards m x k and k x n;
+      reduce-scatter, m rows after the scatter, k local contraction, n
+      output columns (the kernel's x is D*m x k).
     dtype: bf16 or f16.
     mesh: a mesh whose `axis_name` axis is the ring (its devices NVLink
       peers); other axes must have size 1.
@@ -71,29 +98,42 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
     configs: candidates (default `candidate_configs()`).
     iterations: timed runs per candidate.
     store: write the winner to the cache.
+    pattern: "all_gather" or "reduce_scatter": which kernel.
 
   Returns:
     (best config, {config repr: microseconds}).
   """
   from collective_matmul import ops
+  if pattern not in PATTERNS:
+    raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
   d = mesh.shape[axis_name]
   key = jax.random.key(0)
+  if pattern == "all_gather":
+    shapes = ((d * m, k), (k, d * n))
+    specs = (P(axis_name, None), P(None, axis_name), P(None, axis_name))
+    op = ops.all_gather_matmul
+  else:
+    shapes = ((d * m, d * k), (d * k, n))
+    specs = (P(None, axis_name), P(axis_name, None), P(axis_name, None))
+    op = ops.matmul_reduce_scatter
   with jax.set_mesh(mesh):
-    a = jax.sharding.reshard(
-        jax.random.normal(key, (d * m, k), dtype), P(axis_name, None))
+    a = jax.sharding.reshard(jax.random.normal(key, shapes[0], dtype),
+                             specs[0])
     b = jax.sharding.reshard(
-        jax.random.normal(jax.random.fold_in(key, 1), (k, d * n), dtype),
-        P(None, axis_name))
+        jax.random.normal(jax.random.fold_in(key, 1), shapes[1], dtype),
+        specs[1])
 
     def build(impl, config=None):
       return jax.jit(jax.shard_map(
-          functools.partial(ops.all_gather_matmul, axis_name=axis_name,
-                            impl=impl, kernel_config=config),
-          out_specs=P(None, axis_name), check_vma=False))
+          functools.partial(op, axis_name=axis_name, impl=impl,
+                            kernel_config=config),
+          out_specs=specs[2], check_vma=False))
 
     ref = np.asarray(build("ring")(a, b), np.float32)
     results, best = {}, None
-    for config in configs or candidate_configs():
+    if configs is None:
+      configs = list(candidate_configs(pattern, m, k, n, dtype, d))
+    for config in configs:
       start = time.time()
       try:
         out, us, _ = kernel_time_us(build("pallas", config), a, b,
@@ -108,13 +148,14 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
                       "skipped", config, err)
         continue
       results[repr(config)] = us
-      logging.info("autotune %dx%dx%d D=%d: %.1f us %s (%.1f s)", m, k, n, d,
-                   us, config, time.time() - start)
+      logging.info("autotune %s %dx%dx%d D=%d: %.1f us %s (%.1f s)", pattern,
+                   m, k, n, d, us, config, time.time() - start)
       if best is None or us < best[0]:
         best = (us, config)
   if best is None:
     raise RuntimeError(f"autotune: no candidate ran for {m}x{k}x{n}")
   if store:
-    path = tuning.store_cached_config(best[1], m, k, n, dtype, d)
+    path = tuning.store_cached_config(best[1], m, k, n, dtype, d,
+                                      pattern=pattern)
     logging.info("autotune: stored %s in %s", best[1], path)
   return best[1], results
