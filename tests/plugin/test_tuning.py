@@ -114,6 +114,16 @@ def test_reduce_scatter_announce_at_the_seed_shape():
   assert tuning.partial_announce_step(64, 2, 24, True) == 48
 
 
+@pytest.mark.parametrize("m,n,d,expected", [
+    (1024, 4096, 2, (4, 6)),   # One wave per ring step, D = 2.
+    (1024, 4096, 4, (2, 12)),  # One wave per step, D = 4 (measured).
+    (2048, 4096, 2, (2, 12)),  # Two waves per step.
+    (4096, 8192, 2, (2, 12))])
+def test_reduce_scatter_send_pacing_by_waves_and_ring_size(m, n, d, expected):
+  config = tuning.select_reduce_scatter_config(m, 4096, n, "bfloat16", d)
+  assert (config.send_pieces, config.send_gap) == expected
+
+
 def test_reduce_scatter_config_at_the_seed_shape():
   config = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
   assert (config.epi_tile_m, config.epi_tile_n) == (64, 128)

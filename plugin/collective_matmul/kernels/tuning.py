@@ -273,13 +273,16 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
   if base.tile_m % 2 or (base.tile_m // 2) % 64:
     return base
-  # Send pacing (history/12): when a ring step's tiles fit in one wave,
-  # every SM stores its partial sum at the same moment; 4 row pieces 6
-  # steps apart keep each remote store short (1024/4096/4096: 100.0 us vs
-  # 110.6 whole slots). Over several waves the SMs drift apart and 2 pieces
-  # 12 apart are best (1.2 % and 0.7 % faster than whole slots; 4 pieces
-  # are 12-14 % slower there, with or without the link).
-  pieces, gap = (4, 6) if _tiles_per_step(base, m, n) <= num_sms else (2, 12)
+  # Send pacing (benchmarks/RESULTS.md, history/13-15): with D = 2 and a
+  # ring step's tiles in one wave, every SM stores its partial sum at the
+  # same moment; 4 row pieces 6 steps apart keep each remote store short
+  # (1024/4096/4096: 100.0 us vs 110.6 whole slots). Over several waves
+  # the SMs drift apart and 2 pieces 12 apart are best (1.2 % and 0.7 %
+  # faster than whole slots; 4 pieces 12-14 % slower, with or without the
+  # link); so are they at D = 4 at 1024/4096/4096 (195.6 us vs 212.5 for 4
+  # pieces, h200x4/autotune_rs_d4.log).
+  one_wave = _tiles_per_step(base, m, n) <= num_sms
+  pieces, gap = (4, 6) if axis_size == 2 and one_wave else (2, 12)
   wide = fit_shared_memory(
       dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
                           epi_tile_n=base.tile_n, send_gap=gap,
