@@ -16,9 +16,10 @@ peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 
 Overlap details (measured in benchmarks/RESULTS.md):
 * a tile's partial sum stays in the epilogue's shared memory and is sent
-  during the *next* tile's k loop, one slot every `send_gap` steps
-  (`spread_sends`), so the SMs do not all store at once and the link does
-  not hold up the next tile's loads;
+  during the *next* tile's k loop, in `send_pieces` row pieces per slot,
+  one every `send_gap` steps (`spread_sends`): a long remote store holds
+  the SM's TMA unit and the pipeline's loads queue behind it, so no SM
+  sends much at once;
 * its arrival is announced `send_gap` steps after its last send, still
   inside that k loop (`early_announce`; wait for the stores, then signal),
   so the peer finds it landed when its own loop ends, and no warpgroup
@@ -125,10 +126,10 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         return acc[mi * epi_m:(mi + 1) * epi_m, ni * epi_n:(ni + 1) * epi_n]
 
       # With the whole warpgroup tile in the two epilogue slots, a tile's
-      # partial sum leaves during the next tile's k loop, one slot every
-      # `send_gap` steps (paced like the all-gather kernel's sends), not
-      # all at once from the epilogue, where every SM would store at the
-      # same moment and the link would hold up the next tile's loads.
+      # partial sum leaves during the next tile's k loop, one row piece
+      # every `send_gap` steps (paced like the all-gather kernel's sends),
+      # not all at once from the epilogue, where every SM would store at
+      # the same moment and the next tile's loads would wait behind it.
       defer = ring and config.spread_sends and len(epi_tiles) <= 2
       # (epilogue slot, row piece, pipeline step) of each deferred send.
       pieces = config.send_pieces
