@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 IMPLEMENTATIONS = ("auto", "pallas", "ring", "baseline")
 FALLBACK_IMPLEMENTATIONS = ("ring", "baseline")
@@ -58,21 +58,36 @@ class CollectiveMatmulConfig:
 
 
 _state = threading.local()
-_default = CollectiveMatmulConfig()
+_OFF = CollectiveMatmulConfig()
+_default: CollectiveMatmulConfig | None = None  # None: not set in code.
+# Set by `flags`: the parsed absl flags' configuration, or None while absl
+# has not parsed them. Kept as a hook so this module does not import absl.
+_from_parsed_flags: Callable[[], CollectiveMatmulConfig | None] = (
+    lambda: None)
 
 
 def get_config() -> CollectiveMatmulConfig:
-  """The configuration the drop-in `dot_general` will use when traced now."""
+  """The configuration the drop-in `dot_general` will use when traced now.
+
+  In order: the innermost `config_context`; else what `set_config` set; else
+  the plugin's absl flags once absl has parsed them (so `--use_collective_
+  matmul` alone switches the plugin on); else the default (off).
+  """
   stack = getattr(_state, "stack", None)
   if stack:
     return stack[-1]
-  return _default
+  if _default is not None:
+    return _default
+  return _from_parsed_flags() or _OFF
 
 
-def set_config(config: CollectiveMatmulConfig) -> None:
-  """Sets the process-wide default configuration (e.g. from flags)."""
+def set_config(config: CollectiveMatmulConfig | None) -> None:
+  """Sets the process-wide configuration; it wins over the absl flags.
+
+  `None` forgets it: the flags (once parsed), else the default, apply again.
+  """
   global _default
-  if not isinstance(config, CollectiveMatmulConfig):
+  if config is not None and not isinstance(config, CollectiveMatmulConfig):
     raise TypeError(f"expected CollectiveMatmulConfig, got {type(config)}")
   _default = config
 

@@ -1,4 +1,9 @@
-"""absl flags for the plugin, defined once when the package is imported."""
+"""absl flags for the plugin, defined once when the package is imported.
+
+Once absl has parsed the command line, the active configuration follows these
+flags with no further call (`config.get_config`); `set_config` and
+`config_context` in code still win.
+"""
 from __future__ import annotations
 
 from absl import flags
@@ -41,3 +46,10 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
       enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
       save_gathered=_SAVE_GATHERED.value,
       reduce_scatter_kernel=_RS_KERNEL.value)
+
+
+def _config_if_parsed() -> config_lib.CollectiveMatmulConfig | None:
+  return config_from_flags() if flags.FLAGS.is_parsed() else None
+
+
+config_lib._from_parsed_flags = _config_if_parsed  # pylint: disable=protected-access

@@ -49,6 +49,8 @@ class Decision:
   mode: str | None = None  # "explicit" or "logical" sharding information.
   pattern: str | None = None  # "all_gather" or "reduce_scatter" if matched.
   backward_impl: str | None = None  # The backward's collective matmul.
+  # Mesh axes the weight was all-gathered over before the ring (FSDP).
+  weight_gathered: tuple[str, ...] = ()
 
   def __str__(self):
     what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
@@ -57,6 +59,8 @@ class Decision:
       what += " (matmul + reduce-scatter)"
     if self.rewritten and self.backward_impl not in (None, self.impl):
       what += f", backward {self.backward_impl}"
+    if self.weight_gathered:
+      what += f", weight gathered over {self.weight_gathered}"
     why = f" ({self.reason})" if self.reason else ""
     return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
             f"{self.dtype}: {what}{why}")
@@ -334,6 +338,10 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
     what = "out_sharding" if out_sharding is not None else "out_axes"
     return left_to_xla(f"{what} unreadable: {e}", fallback=False)
   mesh_axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  specs = tuple(patterns.drop_size_one_axes(spec, mesh_axis_sizes)
+                for spec in specs)
+  if user_out is not None:
+    user_out = patterns.drop_size_one_axes(user_out, mesh_axis_sizes)
   match = patterns.match_all_gather_matmul(
       lhs_shape, rhs_shape, dimension_numbers, *specs, mesh_axis_sizes,
       user_out)
@@ -366,7 +374,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
   impl, bwd_impl, reason, is_fallback = _choose_impl(
       cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
   _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis,
-                 pattern=pattern, backward_impl=bwd_impl), cfg.strict,
+                 pattern=pattern, backward_impl=bwd_impl,
+                 weight_gathered=match.rhs_gathered), cfg.strict,
           is_fallback)
   out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl,
                  cfg, precision, preferred_element_type)

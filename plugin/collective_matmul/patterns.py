@@ -42,6 +42,8 @@ class AllGatherMatch:
     lhs_spec, rhs_spec: the operands' specs (also the shard_map in_specs).
     out_spec: the result's spec: lhs free dims (the gathered one without
       `axis`) then rhs free dims.
+    rhs_gathered: mesh axes the weight is all-gathered over before the ring
+      (FSDP); `rhs_spec` is its layout after that gather.
   """
 
   axis: str
@@ -51,6 +53,7 @@ class AllGatherMatch:
   lhs_spec: Spec
   rhs_spec: Spec
   out_spec: Spec
+  rhs_gathered: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,8 @@ class ReduceScatterMatch:
     lhs_spec, rhs_spec: the operands' specs (also the shard_map in_specs).
     out_spec: the result's spec: lhs free dims (the scattered one with
       `axis` added last) then rhs free dims.
+    rhs_gathered: mesh axes the weight is all-gathered over before the ring
+      (FSDP); `rhs_spec` is its layout after that gather.
   """
 
   axis: str
@@ -78,6 +83,7 @@ class ReduceScatterMatch:
   lhs_spec: Spec
   rhs_spec: Spec
   out_spec: Spec
+  rhs_gathered: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +114,41 @@ def normalize_spec(spec, ndim: int) -> Spec:
     else:  # P.UNCONSTRAINED and friends: nothing certain to match on.
       raise ValueError(f"unsupported spec entry {entry!r} in {spec}")
   return tuple(out)
+
+
+def drop_size_one_axes(spec: Spec, mesh_axis_sizes: Mapping[str, int]) -> Spec:
+  """`spec` without the mesh axes of size 1: they shard nothing.
+
+  MaxText's logical rules map one name to several mesh axes, most of them of
+  size 1 on a given mesh (`mlp -> (fsdp_transpose, tensor, tensor_sequence,
+  autoregressive)`); MaxText drops them itself (`remove_size_one_mesh_axis`).
+  Axes not in the mesh are kept, so the matcher can name them.
+  """
+  return tuple(tuple(a for a in axes if mesh_axis_sizes.get(a) != 1)
+               for axes in spec)
+
+
+def _weight_axes_to_gather(lhs_spec: Spec, rhs_spec: Spec,
+                           rhs_contract: Sequence[int], axis: str
+                           ) -> tuple[str, ...]:
+  """The mesh axes other than `axis` that the weight (rhs) is gathered over
+  before the ring, as XLA's own FSDP program gathers it per layer.
+
+  Those are the axes sharding an rhs contracting dimension (FSDP shards the
+  weight's embed dimension), and those sharding an rhs free dimension that
+  also shard the activation (the result cannot be sharded over one axis
+  twice). An axis that shards only a weight output dimension is a genuine
+  second tensor-parallel axis: it is not gathered (the matcher then says why
+  it cannot serve the pattern).
+  """
+  lhs_axes = {a for axes in lhs_spec for a in axes}
+  gathered = [a for d, axes in enumerate(rhs_spec) for a in axes
+              if a != axis and (d in rhs_contract or a in lhs_axes)]
+  return tuple(dict.fromkeys(gathered))
+
+
+def _without(spec: Spec, gone: Sequence[str]) -> Spec:
+  return tuple(tuple(a for a in axes if a not in gone) for axes in spec)
 
 
 def spec_to_partition_spec(spec: Spec):
@@ -165,6 +206,8 @@ def match_all_gather_matmul(
     return NoMatch(f"several mesh axes {candidates} shard both an lhs row "
                    "dimension and an rhs output dimension", fallback=True)
   (axis,) = candidates
+  rhs_gathered = _weight_axes_to_gather(lhs_spec, rhs_spec, rhs_contract, axis)
+  rhs_spec = _without(rhs_spec, rhs_gathered)
   lhs_gather_dim = next(d for d in lhs_free if axis in lhs_spec[d])
   rhs_out_dim = next(d for d in rhs_free if axis in rhs_spec[d])
 
@@ -205,7 +248,8 @@ def match_all_gather_matmul(
   return AllGatherMatch(axis=axis, axis_size=mesh_axis_sizes[axis],
                         lhs_gather_dim=lhs_gather_dim,
                         rhs_out_dim=rhs_out_dim, lhs_spec=tuple(lhs_spec),
-                        rhs_spec=tuple(rhs_spec), out_spec=natural_out)
+                        rhs_spec=tuple(rhs_spec), out_spec=natural_out,
+                        rhs_gathered=rhs_gathered)
 
 
 def _indivisible(name, shape, spec, mesh_axis_sizes) -> NoMatch | None:
@@ -282,6 +326,8 @@ def match_matmul_reduce_scatter(
     return NoMatch(f"several mesh axes {candidates} shard the contracting "
                    "dimensions of both lhs and rhs", fallback=True)
   (axis,) = candidates
+  rhs_gathered = _weight_axes_to_gather(lhs_spec, rhs_spec, rhs_contract, axis)
+  rhs_spec = _without(rhs_spec, rhs_gathered)
   lhs_contract_dim, rhs_contract_dim = next(
       (l, r) for l, r in pairs if axis in lhs_spec[l] and axis in rhs_spec[r])
   for l, r in pairs:
@@ -327,7 +373,7 @@ def match_matmul_reduce_scatter(
       lhs_contract_dim=lhs_contract_dim, rhs_contract_dim=rhs_contract_dim,
       lhs_scatter_dim=lhs_scatter_dim, out_scatter_dim=out_scatter_dim,
       lhs_spec=tuple(lhs_spec), rhs_spec=tuple(rhs_spec),
-      out_spec=natural_out)
+      out_spec=natural_out, rhs_gathered=rhs_gathered)
 
 
 def contraction_is_sharded(dimension_numbers, lhs_spec: Spec,

@@ -44,11 +44,12 @@ def keys(request):
 
 @pytest.fixture(autouse=True)
 def _clean_plugin_state():
-  """Every test starts with an empty decision record and the default config."""
+  """Every test starts with an empty decision record and no configuration
+  set in code (so the default, or parsed flags, apply)."""
   cm.clear_decisions()
-  default = cm.get_config()
+  cm.set_config(None)
   yield
-  cm.set_config(default)
+  cm.set_config(None)
   cm.clear_decisions()
 
 

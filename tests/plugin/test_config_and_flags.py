@@ -109,3 +109,66 @@ def test_config_from_unparsed_flags_raises(unparsed_flags):
   assert not unparsed_flags.is_parsed()
   with pytest.raises(RuntimeError, match="not parsed"):
     cm.config_from_flags()
+
+
+def test_parsed_flags_alone_switch_the_plugin(unparsed_flags):
+  assert not cm.get_config().enabled
+  unparsed_flags(["prog", "--use_collective_matmul",
+                  "--collective_matmul_impl=ring"])
+  active = cm.get_config()
+  assert (active.enabled, active.impl) == (True, "ring")
+
+
+def test_code_config_wins_over_parsed_flags(unparsed_flags):
+  unparsed_flags(["prog", "--use_collective_matmul",
+                  "--collective_matmul_impl=ring"])
+  cm.set_config(cm.CollectiveMatmulConfig(enabled=False))
+  assert not cm.get_config().enabled
+  with cm.config_context(enabled=True, impl="baseline"):
+    assert cm.get_config().impl == "baseline"
+  cm.set_config(None)
+  assert cm.get_config().impl == "ring"
+
+
+_FLAGS_ONLY_PROGRAM = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+import numpy as np
+from absl import flags
+import collective_matmul as cm
+flags.FLAGS(sys.argv)  # parses the plugin's flags; no set_config anywhere
+mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                     axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+with jax.set_mesh(mesh):
+  x = jax.device_put(np.ones((8, 16), np.float32),
+                     jax.sharding.PartitionSpec("tensor", None))
+  w = jax.device_put(np.ones((16, 8), np.float32),
+                     jax.sharding.PartitionSpec(None, "tensor"))
+  out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None,
+                                                                    "tensor"))
+  y = jax.jit(lambda a, b: cm.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                          out_sharding=out))(x, w)
+  assert np.allclose(np.asarray(y), 16.0)
+print("rewritten", sum(d.rewritten for d in cm.decisions()),
+      [d.impl for d in cm.decisions()])
+"""
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--use_collective_matmul", "--collective_matmul_impl=ring"],
+     "rewritten 1 ['ring']"),
+    ([], "rewritten 0 []"),
+])
+def test_a_program_that_only_parses_flags(tmp_path, argv, expected):
+  import subprocess
+  import sys
+  script = tmp_path / "flags_only.py"
+  script.write_text(_FLAGS_ONLY_PROGRAM)
+  env = {k: v for k, v in __import__("os").environ.items()
+         if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, str(script)] + argv,
+                          capture_output=True, text=True, env=env,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert expected in result.stdout
