@@ -103,6 +103,17 @@ def _record(decision: Decision, strict: bool, fallback: bool) -> None:
   logging.info("collective matmul: %s", decision)
 
 
+def record_not_served(name: str | None, lhs, rhs, reason: str) -> None:
+  """Records that a framework adapter left a projection on the framework's
+  own path (quantized, fp8, unknown layer, ...), so the decision record
+  accounts for every projection, not only those that reached the plugin."""
+  _record(Decision(name=name, rewritten=False, impl=None, reason=reason,
+                   lhs_shape=tuple(jnp.shape(lhs)),
+                   rhs_shape=tuple(jnp.shape(rhs)),
+                   dtype=str(jnp.result_type(lhs))), strict=False,
+          fallback=False)
+
+
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
            out_sharding):
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
@@ -238,8 +249,8 @@ def _device_kind(mesh) -> str:
   return jax.devices()[0].device_kind
 
 
-def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
-             precision, preferred_element_type):
+def _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl, bwd_impl,
+             cfg, precision, preferred_element_type):
   """The matched `dot_general` as a collective op in a `shard_map`."""
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
@@ -265,6 +276,11 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl, cfg,
     return y.reshape(y.shape[:-1] + rhs_free_shape)
 
   to_p = patterns.spec_to_partition_spec
+  if mode == "explicit":
+    # Explicit types must equal shard_map's in_specs: drop the size-1 axes
+    # (no data moves) and gather the weight over the axes the match says.
+    lhs = jax.sharding.reshard(lhs, to_p(match.lhs_spec))
+    rhs = jax.sharding.reshard(rhs, to_p(match.rhs_spec))
   return jax.shard_map(
       body, mesh=mesh,
       in_specs=(to_p(match.lhs_spec), to_p(match.rhs_spec)),
@@ -377,8 +393,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
                  pattern=pattern, backward_impl=bwd_impl,
                  weight_gathered=match.rhs_gathered), cfg.strict,
           is_fallback)
-  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, impl, bwd_impl,
-                 cfg, precision, preferred_element_type)
+  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl,
+                 bwd_impl, cfg, precision, preferred_element_type)
   if out_sharding is not None and mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

@@ -172,3 +172,20 @@ def test_mlp_forward_and_grad_match_xla_on_maxtext_meshes(mesh_sizes, dtype,
   assert_close(l_on, np.asarray(l_off, np.float64), tol)
   for a, b in zip(g_on, g_off):
     assert_close(a, np.asarray(b, np.float64), 2 * tol)
+
+
+def test_explicit_mode_gathers_an_fsdp_weight_and_drops_size_one_axes(keys):
+  from jax.sharding import PartitionSpec as P
+  from plugin_test_utils import DN_LAST, put, reference
+  mesh = jax.make_mesh((2, 4, 1), ("data", "tensor", "unused"),
+                       axis_types=(AxisType.Explicit,) * 3)
+  x = put(normal(keys(), (4, 16, 32), "float32"), mesh,
+          P(("data", "unused"), "tensor", None))
+  w = put(normal(keys(), (32, 16), "float32"), mesh, P("data", "tensor"))
+
+  with jax.set_mesh(mesh), cm.config_context(enabled=True, impl="ring"):
+    y = jax.jit(lambda x, w: cm.dot_general(x, w, DN_LAST(3)))(x, w)
+  (decision,) = cm.decisions()
+  assert decision.rewritten and decision.weight_gathered == ("data",)
+  assert jax.typeof(y).sharding.spec == P("data", None, "tensor")
+  assert_close(y, reference(x, w), TOLERANCE["float32"])

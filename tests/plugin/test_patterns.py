@@ -142,13 +142,25 @@ def test_no_match_axis_of_size_one():
   _no_match(m, False, "no mesh axis")
 
 
-@pytest.mark.parametrize("lhs_spec,rhs_spec,offender", [
-    (P("tensor", "data"), P(None, "tensor"), "lhs contracting dimension 1"),
-    (P("tensor", None), P("data", "tensor"), "rhs contracting dimension 0"),
-])
-def test_no_match_contracting_dim_sharded(lhs_spec, rhs_spec, offender):
-  m = match((16, 32), (32, 8), DN, lhs_spec, rhs_spec, SIZES_2D)
-  _no_match(m, True, offender, "'data'")
+def test_no_match_lhs_contracting_dim_sharded():
+  m = match((16, 32), (32, 8), DN, P("tensor", "data"), P(None, "tensor"),
+            SIZES_2D)
+  _no_match(m, True, "lhs contracting dimension 1", "'data'")
+
+
+def test_no_match_rhs_contracting_dim_sharded_over_the_collective_axis():
+  m = match((16, 32), (32, 8), DN, P("tensor", None), P("tensor", "tensor"),
+            SIZES_2D)
+  _no_match(m, True, "rhs contracting dimension 0", "'tensor'")
+
+
+def test_rhs_contracting_dim_sharded_over_another_axis_is_gathered():
+  # FSDP: the weight's contraction sharded over 'data' is gathered first.
+  m = match((16, 32), (32, 8), DN, P("tensor", None), P("data", "tensor"),
+            SIZES_2D)
+  assert isinstance(m, patterns.AllGatherMatch)
+  assert m.rhs_gathered == ("data",)
+  assert m.rhs_spec == ((), ("tensor",))
 
 
 def test_no_match_two_candidate_axes():

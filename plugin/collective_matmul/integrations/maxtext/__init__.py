@@ -1,0 +1,23 @@
+"""collective_matmul inside real MaxText (no fork, no MaxText file edited).
+
+    from collective_matmul.integrations import maxtext as cm_maxtext
+    cm_maxtext.install()   # before MaxText traces its train step
+
+or launch MaxText through the plugin:
+
+    python -m collective_matmul.integrations.maxtext \\
+        <maxtext>/configs/base.yml key=value ... --use_collective_matmul
+
+Served (training graphs, bf16/f32, the logical/Auto route): MlpBlock's
+wi_0 / wi_1 / fused wi (all-gather) and wo (matmul + reduce-scatter);
+Attention's query, key, value, fused qkv (all-gather) and out (matmul +
+reduce-scatter). Quantized, fp8, MoE, unknown and non-training projections
+take MaxText's own path, recorded in `collective_matmul.decisions()`.
+"""
+from collective_matmul.integrations.maxtext.adapter import MaxTextVersionError
+from collective_matmul.integrations.maxtext.adapter import SUPPORTED_MAXTEXT_VERSIONS
+from collective_matmul.integrations.maxtext.adapter import check_maxtext
+from collective_matmul.integrations.maxtext.adapter import install
+from collective_matmul.integrations.maxtext.adapter import is_installed
+from collective_matmul.integrations.maxtext.adapter import uninstall
+from collective_matmul.integrations.maxtext.projections import PROJECTIONS

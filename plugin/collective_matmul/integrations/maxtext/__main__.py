@@ -1,0 +1,68 @@
+"""MaxText's trainer with the collective matmul plugin installed.
+
+    python -m collective_matmul.integrations.maxtext \\
+        <maxtext>/configs/base.yml key=value ... \\
+        [--use_collective_matmul] [--collective_matmul_impl=auto|pallas|ring|baseline] \\
+        [--collective_matmul_strict]
+
+MaxText's own command line is passed through unchanged; the plugin's absl
+flags may appear anywhere in it. After each compile that traced projections,
+the decision record (what was rewritten, with which implementation, or why
+not) is printed once.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from absl import app
+import jax
+
+import collective_matmul as cm
+from collective_matmul.integrations.maxtext import adapter
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def print_decisions_after_compiles() -> None:
+  """Prints the decisions recorded since the last compile, once per distinct
+  record, when a compile ends (JAX's compile-duration event)."""
+  printed = {"count": 0, "tables": set()}
+
+  def on_event(event: str, duration_secs: float, **kwargs) -> None:
+    del duration_secs, kwargs
+    if event != _BACKEND_COMPILE_EVENT:
+      return
+    records = cm.decisions()
+    new = records[printed["count"]:]
+    printed["count"] = len(records)
+    if not new or not cm.get_config().enabled:
+      return
+    table = cm.format_decisions(new)
+    if table not in printed["tables"]:
+      printed["tables"].add(table)
+      print(table, flush=True)
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
+def main(argv: Sequence[str]) -> None:
+  version = adapter.install()
+  config = cm.get_config()  # The parsed flags' configuration.
+  print(f"collective matmul: MaxText {version} patched; plugin "
+        f"{'on, impl=' + config.impl if config.enabled else 'off'}",
+        flush=True)
+  print_decisions_after_compiles()
+  from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
+  train.main(list(argv))
+
+
+def run() -> None:
+  # MaxText's modules define absl flags of their own: import them before
+  # absl parses the command line.
+  from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top,unused-import
+  app.run(main, argv=sys.argv)
+
+
+if __name__ == "__main__":
+  run()

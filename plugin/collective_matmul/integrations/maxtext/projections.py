@@ -1,0 +1,68 @@
+"""Which MaxText projections the plugin serves, as data (no MaxText import).
+
+MaxText's `DenseGeneral` knows only its kernel's logical axes. The
+activation's and the result's logical axes below are the ones MaxText's
+training graph constrains around each projection (MaxText 0.2.5: the llama2
+/ mistral decoder layers, `MlpBlock`, `Attention`), so the plugin's layout
+is the one MaxText asks for anyway and no resharding is added.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# The decoder's residual stream between blocks (llama2/mistral decoder layer
+# `activation_axis_names`): rows sharded over data/fsdp (batch) and
+# tensor_sequence (sequence).
+RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
+# MlpBlock's intermediate activation (`intermediate_logical`).
+MLP_HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
+# Attention's projection input (`input_axis_names`) and the attention output
+# that enters the out projection (`out_axis_names`).
+ATTN_INPUT = ("activation_batch_attn", "activation_input_length_attn",
+              "activation_embed_attn")
+ATTN_OUT = ("activation_batch_attn", "activation_length_attn",
+            "activation_heads", "activation_kv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+  """One kind of MaxText projection.
+
+  Attributes:
+    owner: the MaxText module that holds it ("mlp" for `MlpBlock`,
+      "attention" for `Attention`).
+    kernel_axes: the `DenseGeneral` kernel's logical axes (its key).
+    activation_axes: the input activation's logical axes.
+    out_axes: the result's logical axes, for the matmul + reduce-scatter
+      projections (the operands alone do not say the sum is wanted
+      scattered); None for the all-gather ones.
+  """
+
+  owner: str
+  kernel_axes: tuple[str, ...]
+  activation_axes: tuple[str, ...]
+  out_axes: tuple[str, ...] | None = None
+
+  @property
+  def pattern(self) -> str:
+    return "all_gather" if self.out_axes is None else "reduce_scatter"
+
+
+PROJECTIONS = tuple(Projection(*p) for p in (
+    # MlpBlock: wi_0 / wi_1 (unfused), wi (fused_mlp), wo.
+    ("mlp", ("embed", "mlp"), RESIDUAL),
+    ("mlp", ("embed", "num_activations", "mlp"), RESIDUAL),
+    ("mlp", ("mlp", "embed"), MLP_HIDDEN, RESIDUAL),
+    # Attention: query, key / value, qkv_proj (fused_qkv), out.
+    ("attention", ("embed_attn", "q_heads", "kv"), ATTN_INPUT),
+    ("attention", ("embed_attn", "kv_heads", "kv_head_dim"), ATTN_INPUT),
+    ("attention", ("embed_attn", "heads", "kv"), ATTN_INPUT),
+    ("attention", ("heads", "kv", "embed_attn"), ATTN_OUT, RESIDUAL),
+))
+
+
+def find_projection(owner: str, kernel_axes) -> Projection | None:
+  """The served projection of `owner` with these kernel axes, or None."""
+  kernel_axes = tuple(kernel_axes)
+  return next((p for p in PROJECTIONS
+               if p.owner == owner and p.kernel_axes == kernel_axes), None)

@@ -1,0 +1,162 @@
+"""Real MaxText trained through the plugin's launcher, against stock MaxText.
+
+Every run is a subprocess on 8 emulated CPU devices (MaxText owns its
+process: absl flags, JAX config), about 20 s each; runs shared by several
+tests are made once per session.
+"""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from maxtext_runs import WORK, cached_train
+
+RING = ("--use_collective_matmul", "--collective_matmul_impl=ring")
+LOSS_RTOL = {"f32": 1e-5, "bf16": 2e-3}
+STEPS = 4
+
+MLP = ("mlp/wi_0", "mlp/wi_1", "mlp/wo")
+ATTENTION = ("attention/query", "attention/key", "attention/value",
+             "attention/out")
+
+
+def run(name, **kwargs):
+  return cached_train(name, steps=kwargs.pop("steps", STEPS), **kwargs)
+
+
+def stock(model, mesh, dtype="bf16", **kw):
+  return run(f"{model}-{mesh}-{dtype}-stock", model=model, mesh=mesh,
+             dtype=dtype, plugin=None, **kw)
+
+
+def off(model, mesh, dtype="bf16", **kw):
+  return run(f"{model}-{mesh}-{dtype}-off", model=model, mesh=mesh,
+             dtype=dtype, plugin=(), **kw)
+
+
+def ring(model, mesh, dtype="bf16", **kw):
+  return run(f"{model}-{mesh}-{dtype}-ring", model=model, mesh=mesh,
+             dtype=dtype, plugin=RING, **kw)
+
+
+def assert_losses_close(a, b, rtol):
+  assert sorted(a.losses) == sorted(b.losses) == list(range(STEPS))
+  for step in a.losses:
+    assert np.isfinite(a.losses[step])
+    assert abs(a.losses[step] - b.losses[step]) <= rtol * abs(
+        b.losses[step]), (step, a.losses, b.losses)
+
+
+def assert_rewritten(run_, names, *, gathered=None):
+  lines = run_.decision_lines()
+  for name in names:
+    hits = [l for l in lines if l.startswith(name + " ")]
+    assert hits, f"{name} not in the decision record:\n{run_.stdout}"
+    for line in hits:
+      assert "rewritten -> ring over 'tensor_sequence'" in line, line
+      reduce_scatter = name.endswith(("/wo", "/out"))
+      assert ("(matmul + reduce-scatter)" in line) == reduce_scatter, line
+      if gathered is not None:
+        assert (f"weight gathered over {gathered}" in line), line
+
+
+# -------------------------------------------------------------- plugin off
+
+
+def test_plugin_off_is_bit_identical_to_stock_maxtext():
+  a, b = stock("llama2-7b", "ts4_data2"), off("llama2-7b", "ts4_data2")
+  assert a.losses == b.losses
+  ca, cb = a.checkpoint(STEPS - 1), b.checkpoint(STEPS - 1)
+  assert ca.keys() == cb.keys()
+  for key in ca:
+    np.testing.assert_array_equal(ca[key], cb[key], err_msg=key)
+  assert "rewritten" not in b.stdout.replace("plugin off", "")
+
+
+def test_a_mesh_without_the_pattern_rewrites_nothing_and_is_bit_identical():
+  # Plain tensor parallelism: the activation is sharded on its features,
+  # there is no all-gather to overlap.
+  a = stock("llama2-7b", "tensor4_data2")
+  b = run("llama2-7b-tensor4_data2-bf16-ring", mesh="tensor4_data2",
+          plugin=RING)
+  assert a.losses == b.losses
+  assert "collective matmul: 0 of " in b.stdout
+  assert not any(" rewritten -> " in l for l in b.decision_lines())
+
+
+# ------------------------------------------------------ plugin on: numerics
+
+
+@pytest.mark.parametrize("model,mesh", [("llama2-7b", "ts4_data2"),
+                                        ("llama3-8b", "ts2_data2_fsdp2")])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_ring_trains_to_the_same_losses_as_plugin_off(model, mesh, dtype):
+  assert_losses_close(ring(model, mesh, dtype), off(model, mesh, dtype),
+                      LOSS_RTOL[dtype])
+
+
+def test_every_projection_is_rewritten_on_a_tensor_sequence_mesh():
+  assert_rewritten(ring("llama2-7b", "ts4_data2"), MLP + ATTENTION,
+                   gathered=None)
+
+
+def test_fsdp_weights_are_gathered_and_every_projection_rewritten():
+  assert_rewritten(ring("llama3-8b", "ts2_data2_fsdp2"), MLP + ATTENTION,
+                   gathered=("fsdp",))
+
+
+def test_fused_projections_are_rewritten_with_the_same_losses():
+  fused = ("fused_mlp=True", "fused_qkv=True")
+  a = run("llama2-7b-fused-ring", plugin=RING, extra=fused)
+  b = run("llama2-7b-fused-off", plugin=(), extra=fused)
+  assert_losses_close(a, b, LOSS_RTOL["bf16"])
+  assert_rewritten(a, ("mlp/wi", "mlp/wo", "attention/qkv_proj",
+                       "attention/out"))
+
+
+def test_the_unknown_logits_projection_is_recorded_as_left_to_maxtext():
+  lines = ring("llama2-7b", "ts4_data2").decision_lines()
+  assert any("left to MaxText" in l and "'vocab'" in l for l in lines)
+
+
+# ------------------------------------------------------------ checkpoints
+
+
+def test_parameter_tree_is_the_same_with_the_plugin_on():
+  a = ring("llama2-7b", "ts4_data2").checkpoint(STEPS - 1)
+  b = off("llama2-7b", "ts4_data2").checkpoint(STEPS - 1)
+  assert {k: (v.shape, v.dtype) for k, v in a.items()} == {
+      k: (v.shape, v.dtype) for k, v in b.items()}
+
+
+def test_initial_parameters_are_identical_with_the_plugin_on():
+  # MaxText's first checkpoint is written after step 0's update; with a
+  # learning rate of 0 it holds the initial parameters.
+  frozen = ("learning_rate=0",)
+  a = run("llama2-7b-lr0-ring", plugin=RING, steps=1, extra=frozen)
+  b = run("llama2-7b-lr0-off", plugin=(), steps=1, extra=frozen)
+  ca, cb = a.checkpoint(0), b.checkpoint(0)
+  params = [k for k in ca if "['params']" in k]
+  assert params and ca.keys() == cb.keys()
+  for key in params:
+    np.testing.assert_array_equal(ca[key], cb[key], err_msg=key)
+
+
+def _resume(name, source, plugin):
+  """A run that restores `source`'s step-2 checkpoint and trains on."""
+  target = os.path.join(WORK, name, "checkpoints", "2")
+  if not os.path.isdir(target):
+    shutil.copytree(os.path.join(source.checkpoint_dir, "2"), target)
+  return run(name, plugin=plugin)
+
+
+@pytest.mark.parametrize("first,then", [("ring", "off"), ("off", "ring")])
+def test_a_checkpoint_restores_with_the_flag_flipped(first, then):
+  runs = {"ring": ring("llama2-7b", "ts4_data2"),
+          "off": off("llama2-7b", "ts4_data2")}
+  resumed = _resume(f"resume-{first}-then-{then}", runs[first],
+                    RING if then == "ring" else ())
+  assert sorted(resumed.losses) == [3], resumed.losses  # Restored step 2.
+  assert abs(resumed.losses[3] - runs[first].losses[3]) <= (
+      LOSS_RTOL["bf16"] * runs[first].losses[3])
