@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.11",
     package_dir={"": "plugin", "reference_host": "host/reference_host"},
     packages=["collective_matmul", "collective_matmul.kernels",
-              "reference_host"],
+              "collective_matmul.integrations",
+              "collective_matmul.integrations.maxtext", "reference_host"],
     install_requires=[
         # 0.10.2: jax.shard_map, jax.set_mesh, Explicit axes, reshard, and
         # Pallas Mosaic GPU with remote refs and global semaphores.
@@ -25,6 +26,19 @@ setup(
         "cuda12": ["jax[cuda12]>=0.10.2"],
         "cuda13": ["jax[cuda13]>=0.10.2"],
         "test": ["pytest>=8"],
+        # Real MaxText (collective_matmul.integrations.maxtext): MaxText
+        # declares its dependencies only under extras, so this pins the set
+        # the integration tests run against (Python >= 3.12, CPU).
+        "maxtext": [f"{req}; python_version >= '3.12'" for req in (
+            "maxtext==0.2.5", "jax==0.12.0.1", "jaxlib==0.12.0.1",
+            "flax==0.12.12", "optax==0.2.8", "orbax-checkpoint==0.12.8",
+            "aqtp==0.9.0", "qwix==0.1.8", "pathwaysutils==0.1.13",
+            "omegaconf==2.4.0", "pydantic==2.14.4", "tokamax==0.0.17",
+            "tensorboardX==2.6.5", "numpy==2.5.5", "scipy==1.18.1",
+            "Jinja2==3.1.6", "huggingface_hub==2.4.0",
+            "transformers==5.24.0", "grain==0.2.18", "drjax==0.2.1",
+            "pillow==13.0.0", "tiktoken==0.14.0", "sentencepiece==0.2.3",
+            "sympy==1.14.0", "ml_collections==1.1.0")],
         "plot": ["matplotlib>=3.8"],
     },
 )

@@ -118,8 +118,16 @@ def run_ab(config: config_lib.Config,
       device_kind=baseline.mesh.devices.flat[0].device_kind)
 
 
+def _sharding_axes(mesh_shape: dict[str, int]) -> dict[str, int]:
+  """The mesh axes of more than one device: of MaxText's many axes, the
+  ones that shard anything (all of them when none does)."""
+  return {axis: size for axis, size in mesh_shape.items() if size > 1} or (
+      mesh_shape)
+
+
 def default_tag(result: ABResult) -> str:
-  mesh = "x".join(str(v) for v in result.mesh_shape.values())
+  mesh = "x".join(f"{axis}{size}" for axis, size in
+                  _sharding_axes(result.mesh_shape).items())
   platform_name = result.device_kind.replace(" ", "-").lower()
   return (f"{result.config.model_name}-{platform_name}-{mesh}-"
           f"{result.collective_config.impl}")
@@ -183,7 +191,9 @@ def _markdown(result: ABResult, command: str | None, png_name: str | None
     lines += ["Command:", "", "```", command, "```", ""]
   lines += [
       f"- devices: {result.device_kind}, mesh "
-      + ", ".join(f"{k}={v}" for k, v in result.mesh_shape.items()),
+      + ", ".join(f"{k}={v}" for k, v in
+                  _sharding_axes(result.mesh_shape).items())
+      + " (other axes 1)",
       f"- model: {cfg.model_name} (emb {cfg.emb_dim}, mlp {cfg.mlp_dim}, "
       f"heads {cfg.num_query_heads}/{cfg.num_kv_heads}, layers "
       f"{cfg.num_decoder_layers}, vocab {cfg.vocab_size}), dtype {cfg.dtype}",

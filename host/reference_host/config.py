@@ -3,8 +3,15 @@
 `load_config(["model_configs/base.yml", "model_name=tiny", "steps=5"])` reads
 the base file, applies `model_configs/<model_name>.yml` on top, then the
 command-line overrides, and checks everything that can be checked without a
-device program: unknown keys, value types, supported values, and (given the
-device count) that the mesh and the batch divide. Every error names the key.
+device program: unknown keys, value types, supported values, the logical
+axis rules, and (given the device count) that the mesh and the batch divide.
+Every error names the key.
+
+The mesh has MaxText's mesh axes (`MESH_AXES`), each sized by its
+`ici_<axis>_parallelism` key, so MaxText model files, whose
+`logical_axis_rules` name those axes, load unchanged. Their rules are merged
+into the base rules as MaxText's pyconfig merges them
+(`merge_logical_axis_rules`).
 """
 from __future__ import annotations
 
@@ -34,7 +41,10 @@ UNSUPPORTED_UNLESS = {
     "final_logits_soft_cap": 0.0,
     "attn_logits_soft_cap": 0.0,
     "sliding_window_size": 0,
-    "ici_fsdp_parallelism": 1,
+    # Mesh axes that are not a sharding but a training scheme this host does
+    # not run (pipeline stages, DiLoCo's outer optimizer).
+    "ici_pipeline_parallelism": 1,
+    "ici_diloco_parallelism": 1,
     "dataset_type": "synthetic",
 }
 # MaxText writes "no soft cap" as null in some files.
@@ -48,7 +58,43 @@ SUPPORTED_VALUES = {
     "matmul_precision": ("default", "high", "highest"),
 }
 SUPPORTED_MLP_ACTIVATIONS = (["silu", "linear"],)
-MESH_AXES = ("data", "tensor")
+# MaxText 0.2.5's `mesh_axes`, in its order, plus 'sequence' where older
+# MaxText put it (its files still name it). The mesh has all of them; an axis
+# is size 1 unless its key in MESH_AXIS_KEYS sets it.
+MESH_AXES = ("diloco", "data", "stage", "fsdp", "fsdp_transpose", "sequence",
+             "context", "context_usp_ulysses", "context_autoregressive",
+             "tensor", "tensor_sequence", "expert", "autoregressive")
+# MaxText's key for each axis's size: ici_<axis>_parallelism, except 'stage'.
+MESH_AXIS_KEYS = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES}
+MESH_AXIS_KEYS["stage"] = "ici_pipeline_parallelism"
+# The one axis whose key may be -1, "the devices left over".
+FILL_AXIS = "data"
+# The axes whose product is this host's tensor-parallel size: both shard the
+# weights' output features, and the activations between blocks on sequence.
+TENSOR_AXES = ("tensor", "tensor_sequence")
+# The model dimension (its config key) behind each logical axis of the host's
+# model, so a rule sharding one over mesh axes that do not divide it is
+# reported by key before anything is compiled. Heads are checked as counts:
+# the fused [E, heads * head_dim] kernels must split at head boundaries.
+LOGICAL_AXIS_DIMENSION_KEYS = {
+    "activation_length": "max_target_length",
+    "activation_heads": "base_num_query_heads",
+    "heads": "base_num_query_heads",
+    "activation_kv_heads": "base_num_kv_heads",
+    "kv_heads": "base_num_kv_heads",
+    "activation_mlp": "base_mlp_dim",
+    "mlp": "base_mlp_dim",
+    "activation_vocab": "vocab_size",
+    "vocab": "vocab_size",
+    "activation_embed": "base_emb_dim",
+    "embed": "base_emb_dim",
+    "norm": "base_emb_dim",
+    "activation_kv": "head_dim",
+    "kv": "head_dim",
+}
+# The logical axis of the batch dim; the trainer shards the input batch as
+# its rule says.
+BATCH_AXIS = "activation_batch"
 # The logical axis of each fused layer's slot dim (see model.py).
 FUSED_SLOT_AXES = {"fused_mlp": "num_activations", "fused_qkv": "qkv"}
 
@@ -105,6 +151,56 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
       f"expected {type(default).__name__} like the default {default!r}")
 
 
+def rule_mesh_axes(rule: Sequence[Any]) -> tuple[str, ...]:
+  """The mesh axes a [logical_name, mesh axis | list | null] rule names."""
+  target = rule[1]
+  if target is None:
+    return ()
+  if isinstance(target, str):
+    return (target,)
+  return tuple(target)
+
+
+def check_logical_axis_rules(rules: Sequence[Any], source: str) -> None:
+  """Each rule is [logical_name, mesh axis or list of them or null], naming
+  only axes of this host's mesh (MaxText's)."""
+  for rule in rules:
+    well_formed = (
+        isinstance(rule, (list, tuple)) and len(rule) == 2
+        and isinstance(rule[0], str)
+        and (rule[1] is None or isinstance(rule[1], str)
+             or (isinstance(rule[1], (list, tuple))
+                 and all(isinstance(axis, str) for axis in rule[1]))))
+    if not well_formed:
+      raise ConfigError(f"logical_axis_rules (from {source}): bad rule "
+                        f"{rule!r}; expected [logical_name, mesh_axis or list "
+                        "or null]")
+    for axis in rule_mesh_axes(rule):
+      if axis not in MESH_AXES:
+        raise ConfigError(
+            f"logical_axis_rules (from {source}): rule {rule!r} names mesh "
+            f"axis {axis!r}, not one of {list(MESH_AXES)}")
+
+
+def merge_logical_axis_rules(rules: Sequence[Any], new_rules: Sequence[Any],
+                             *, override: bool) -> list[Any]:
+  """MaxText's merge of a later file's rules (pyconfig's
+  `_merge_logical_axis_rules` / `_apply_rules`): `new_rules` replace every
+  rule of `rules` with the same logical name and go after the others; with
+  `override` (`override_logical_axis_rules` in the same file) they replace
+  the whole list.
+
+  A MaxText model file's rules are written as changes to MaxText's base
+  rules (llama2-7b.yml sets only 'norm'); taken as the whole list they would
+  leave every other logical axis unsharded.
+  """
+  if override:
+    return list(new_rules)
+  new_names = {rule[0] for rule in new_rules}
+  return ([rule for rule in rules if rule[0] not in new_names]
+          + list(new_rules))
+
+
 def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str,
            defaults: Mapping[str, Any]) -> None:
   unknown = sorted(k for k in updates if _canonical_key(k) not in defaults)
@@ -114,7 +210,16 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str,
         "must be defined in base.yml)")
   for key, value in updates.items():
     key = _canonical_key(key)
-    values[key] = _coerce(key, value, defaults[key], source)
+    value = _coerce(key, value, defaults[key], source)
+    if key == "logical_axis_rules":
+      check_logical_axis_rules(value, source)
+      # As in MaxText, only the same file's (or command line's) flag decides
+      # whether its rules replace the list so far.
+      override = _coerce("override_logical_axis_rules",
+                         updates.get("override_logical_axis_rules", False),
+                         False, source)
+      value = merge_logical_axis_rules(values[key], value, override=override)
+    values[key] = value
 
 
 def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
@@ -139,8 +244,8 @@ class Config:
 
   Derived, MaxText-named attributes: `emb_dim`, `num_query_heads`,
   `num_kv_heads`, `mlp_dim`, `num_decoder_layers`, `tensor_parallelism`.
-  Device-dependent ones (`data_parallelism`, `global_batch_size`) come from
-  `resolve_for_devices`.
+  Device-dependent ones (`mesh_axis_sizes`, `data_parallelism`,
+  `global_batch_size`) come from `resolve_for_devices`.
   """
 
   def __init__(self, values: Mapping[str, Any]):
@@ -191,7 +296,9 @@ class Config:
 
   @property
   def tensor_parallelism(self) -> int:
-    return self.ici_tensor_parallelism * self.ici_tensor_sequence_parallelism
+    """Shards of the tensor-parallel dims: the 'tensor' x 'tensor_sequence'
+    mesh axes."""
+    return math.prod(self[MESH_AXIS_KEYS[axis]] for axis in TENSOR_AXES)
 
   @property
   def checkpoint_directory(self) -> str:
@@ -234,22 +341,7 @@ def _validate_values(values: Mapping[str, Any]) -> None:
         f"multiple of base_num_kv_heads={values['base_num_kv_heads']}")
   if values["head_dim"] % 2:
     raise ConfigError(f"head_dim={values['head_dim']} must be even for RoPE")
-  for key in ("ici_tensor_parallelism", "ici_tensor_sequence_parallelism"):
-    if values[key] < 1:
-      raise ConfigError(f"{key}={values[key]} must be >= 1")
-  if values["ici_data_parallelism"] == 0 or values["ici_data_parallelism"] < -1:
-    raise ConfigError(f"ici_data_parallelism={values['ici_data_parallelism']}"
-                      " must be -1 (fill) or >= 1")
-  for rule in values["logical_axis_rules"]:
-    if (not isinstance(rule, (list, tuple)) or len(rule) != 2
-        or not isinstance(rule[0], str)):
-      raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; expected "
-                        "[logical_name, mesh_axis or list or null]")
-    mesh_axes = rule[1] if isinstance(rule[1], (list, tuple)) else [rule[1]]
-    for axis in mesh_axes:
-      if axis is not None and axis not in MESH_AXES:
-        raise ConfigError(f"logical_axis_rules: rule {rule!r} names mesh axis "
-                          f"{axis!r}, not one of {list(MESH_AXES)}")
+  _check_mesh_keys(values)
   # The fused layers' slot dims (gate/linear, query/key/value) must stay
   # unsharded: each device computes whole heads / MLP features of every slot,
   # and the plugin's rewrite needs the kernel's other output dims unsharded.
@@ -260,51 +352,117 @@ def _validate_values(values: Mapping[str, Any]) -> None:
       raise ConfigError(
           f"{key}=True needs logical axis {logical!r} unsharded, but "
           f"logical_axis_rules maps it to {mapped[0]!r}")
+  # The fill axis's size is not known yet; resolve_for_devices checks again.
+  _check_sharded_dimensions_divide(values, {
+      axis: values[key] for axis, key in MESH_AXIS_KEYS.items()
+      if values[key] != -1})
 
-  tensor = (values["ici_tensor_parallelism"]
-            * values["ici_tensor_sequence_parallelism"])
-  # Everything sharded over 'tensor' must divide evenly: the sequence of the
-  # activations between blocks, heads, MLP features and the vocabulary.
-  for key in ("max_target_length", "base_num_query_heads", "base_num_kv_heads",
-              "base_mlp_dim", "vocab_size"):
-    if values[key] % tensor:
+
+def _check_mesh_keys(values: Mapping[str, Any]) -> None:
+  """Every mesh axis's key is a size >= 1; the fill axis's may be -1."""
+  fill_key = MESH_AXIS_KEYS[FILL_AXIS]
+  for key in MESH_AXIS_KEYS.values():
+    if key == fill_key:
+      if values[key] == 0 or values[key] < -1:
+        raise ConfigError(f"{key}={values[key]} must be -1 (fill) or >= 1")
+    elif values[key] < 1:
+      raise ConfigError(f"{key}={values[key]} must be >= 1 (only {fill_key} "
+                        "may be -1, the devices left over)")
+
+
+def _first_rule_axes(rules: Sequence[Any], logical: str) -> tuple[str, ...]:
+  """The mesh axes of the first rule for `logical`: the ones it is sharded
+  over unless another dim of the same array already took them."""
+  for rule in rules:
+    if rule[0] == logical:
+      return rule_mesh_axes(rule)
+  return ()
+
+
+def _mesh_keys_text(axes: Sequence[str], values: Mapping[str, Any],
+                    axis_sizes: Mapping[str, int] | None = None) -> str:
+  """'ici_tensor_parallelism=1 x ici_tensor_sequence_parallelism=4', with
+  the size a -1 came to, when `axis_sizes` says it."""
+  parts = []
+  for axis in axes:
+    key = MESH_AXIS_KEYS[axis]
+    part = f"{key}={values[key]}"
+    if values[key] == -1 and axis_sizes and axis in axis_sizes:
+      part += f" ({axis_sizes[axis]} devices)"
+    parts.append(part)
+  return " x ".join(parts)
+
+
+def _check_sharded_dimensions_divide(values: Mapping[str, Any],
+                                     axis_sizes: Mapping[str, int]) -> None:
+  """Each model dimension the rules shard splits evenly over its mesh axes
+  (`axis_sizes`; an axis missing from it is not counted)."""
+  for logical, key in LOGICAL_AXIS_DIMENSION_KEYS.items():
+    axes = _first_rule_axes(values["logical_axis_rules"], logical)
+    shards = math.prod(axis_sizes.get(axis, 1) for axis in axes)
+    if values[key] % shards:
       raise ConfigError(
-          f"{key}={values[key]} is not divisible by the tensor axis size "
-          f"{tensor} (ici_tensor_parallelism={values['ici_tensor_parallelism']}"
-          " x ici_tensor_sequence_parallelism="
-          f"{values['ici_tensor_sequence_parallelism']})")
+          f"{key}={values[key]} is not divisible by {shards}, the shards of "
+          f"logical axis {logical!r}: logical_axis_rules maps it to mesh axes "
+          f"{list(axes)} ({_mesh_keys_text(axes, values, axis_sizes)})")
+
+
+def _check_mesh_axes_are_used(config: Config,
+                              axis_sizes: Mapping[str, int]) -> None:
+  """Every mesh axis of more than one device is named by some rule;
+  otherwise its devices would all do the same work."""
+  named = {axis for rule in config.logical_axis_rules
+           for axis in rule_mesh_axes(rule)}
+  for axis, size in axis_sizes.items():
+    if size > 1 and axis not in named:
+      key = MESH_AXIS_KEYS[axis]
+      raise ConfigError(
+          f"{key}={config[key]} gives mesh axis {axis!r} {size} devices, but "
+          f"no logical_axis_rules entry names {axis!r}: those devices would "
+          "repeat each other's work")
 
 
 def resolve_for_devices(config: Config, num_devices: int) -> Config:
   """Fills the mesh sizes for `num_devices` and checks the batch divides.
 
-  Returns a config with `data_parallelism` and `global_batch_size` set.
+  Returns a config with `mesh_axis_sizes` ({axis: size} over MESH_AXES),
+  `data_parallelism` and `global_batch_size` set.
   """
-  tensor = config.tensor_parallelism
-  data = config.ici_data_parallelism
-  if data == -1:
-    if num_devices % tensor:
+  sizes = {axis: config[key] for axis, key in MESH_AXIS_KEYS.items()}
+  fill_key = MESH_AXIS_KEYS[FILL_AXIS]
+  set_axes = [axis for axis in MESH_AXES
+              if axis != FILL_AXIS and sizes[axis] != 1]
+  others = math.prod(sizes[axis] for axis in set_axes)
+  if sizes[FILL_AXIS] == -1:
+    if num_devices % others:
       raise ConfigError(
-          f"ici_tensor_parallelism x ici_tensor_sequence_parallelism = {tensor}"
-          f" does not divide the {num_devices} devices")
-    data = num_devices // tensor
-  if data * tensor != num_devices:
+          f"{_mesh_keys_text(set_axes, config)} ({others} devices) does not "
+          f"divide the {num_devices} devices ({fill_key}=-1 takes the rest)")
+    sizes[FILL_AXIS] = num_devices // others
+  if math.prod(sizes.values()) != num_devices:
     raise ConfigError(
-        f"ici_data_parallelism={config.ici_data_parallelism} x tensor axis "
-        f"{tensor} (ici_tensor_parallelism x ici_tensor_sequence_parallelism) "
-        f"= {data * tensor} does not match the {num_devices} devices")
+        f"the mesh {_mesh_keys_text([FILL_AXIS, *set_axes], config)} has "
+        f"{math.prod(sizes.values())} devices, not the {num_devices} devices "
+        "there are (every other ici_*_parallelism key is 1)")
+  _check_sharded_dimensions_divide(config.to_dict(), sizes)
+  _check_mesh_axes_are_used(config, sizes)
+
   global_batch = config.per_device_batch_size * num_devices
   if not math.isclose(global_batch, round(global_batch)) or global_batch < 1:
     raise ConfigError(
         f"per_device_batch_size={config.per_device_batch_size} x "
         f"{num_devices} devices = {global_batch} is not a whole batch")
   global_batch = int(round(global_batch))
-  if global_batch % data:
+  batch_axes = _first_rule_axes(config.logical_axis_rules, BATCH_AXIS)
+  batch_shards = math.prod(sizes[axis] for axis in batch_axes)
+  if global_batch % batch_shards:
     raise ConfigError(
         f"per_device_batch_size={config.per_device_batch_size} gives a global "
-        f"batch of {global_batch}, not divisible by the data axis size {data} "
-        "(ici_data_parallelism)")
-  return config.replace(data_parallelism=data, global_batch_size=global_batch)
+        f"batch of {global_batch}, not divisible by its {batch_shards} shards "
+        f"({_mesh_keys_text(batch_axes, config, sizes)}: the mesh axes "
+        f"logical_axis_rules maps {BATCH_AXIS!r} to)")
+  return config.replace(mesh_axis_sizes=sizes, data_parallelism=sizes["data"],
+                        global_batch_size=global_batch)
 
 
 def load_config(argv: Sequence[str], *, model_dir: str | None = None,
@@ -321,6 +479,8 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
     raise ConfigError("expected a config file as the first argument")
   base_path, *override_args = argv
   defaults = _read_yaml(base_path, "base config")
+  if "logical_axis_rules" in defaults:
+    check_logical_axis_rules(defaults["logical_axis_rules"], base_path)
   values = dict(defaults)
   overrides = parse_overrides(override_args)
 

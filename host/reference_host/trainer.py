@@ -126,10 +126,10 @@ class Trainer:
     self.config = config_lib.resolve_for_devices(config, len(devices))
     self.collective_config = collective_config or cm.get_config()
     self.mesh = mesh_lib.create_mesh(self.config, devices)
-    self.rules = mesh_lib.logical_axis_rules(self.config)
+    self.rules = mesh_lib.logical_axis_rules(self.config, self.mesh)
     self.model = model_lib.Transformer(self.config)
     self.optimizer = make_optimizer(self.config)
-    self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data", None))
+    self.batch_sharding = mesh_lib.batch_sharding(self.mesh, self.rules)
     self._compiled_step = None
     self.decisions: list = []
     self.compile_time_s = 0.0

@@ -1,0 +1,78 @@
+"""Which MaxText projections the adapter serves, and why it leaves the rest
+to MaxText: pure decisions on stand-in modules (no MaxText import)."""
+import types
+
+import jax.numpy as jnp
+import pytest
+
+from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import projections
+
+X3 = jnp.zeros((2, 8, 16))
+W = jnp.zeros((16, 32))
+
+
+def _stack(kernel_axes, owner="mlp", mode="train", attr="wi_0", moe=False,
+           shard_mode="ShardMode.AUTO"):
+  dense = types.SimpleNamespace(kernel_axes=kernel_axes,
+                                shard_mode=shard_mode)
+  owner_module = types.SimpleNamespace(**{attr: dense})
+  frames = [adapter._Frame("moe", object())] if moe else []
+  if owner:
+    frames.append(adapter._Frame(owner, owner_module, mode))
+  return frames + [adapter._Frame("dense", dense)]
+
+
+def _reason(stack, inputs=X3, kernel=W, quant=None, scale=None, fp8=False):
+  return adapter._not_served_reason(stack, inputs, kernel, quant, scale, fp8)
+
+
+def test_a_known_training_projection_is_served_and_named():
+  reason, projection, name = _reason(_stack(("embed", "mlp")))
+  assert reason is None and name == "mlp/wi_0"
+  assert projection.activation_axes == projections.RESIDUAL
+  assert projection.pattern == "all_gather"
+
+
+def test_the_output_projections_are_reduce_scatters():
+  for owner, axes, attr in (("mlp", ("mlp", "embed"), "wo"),
+                            ("attention", ("heads", "kv", "embed_attn"),
+                             "out")):
+    inputs = X3 if owner == "mlp" else jnp.zeros((2, 8, 4, 4))
+    reason, projection, name = _reason(_stack(axes, owner, attr=attr),
+                                       inputs=inputs)
+    assert reason is None and name == f"{owner}/{attr}"
+    assert projection.pattern == "reduce_scatter"
+    assert projection.out_axes == projections.RESIDUAL
+
+
+@pytest.mark.parametrize("kwargs,stack_kwargs,expected", [
+    (dict(quant=object()), {}, "quantized"),
+    (dict(scale=jnp.ones(())), {}, "fp8"),
+    (dict(fp8=True), {}, "fp8"),
+    (dict(kernel=jnp.zeros((16, 32), jnp.float8_e4m3fn)), {}, "fp8"),
+    ({}, dict(shard_mode="ShardMode.EXPLICIT"), "shard_mode=explicit"),
+    ({}, dict(moe=True), "mixture-of-experts"),
+    ({}, dict(owner=None), "not a projection of an MlpBlock or Attention"),
+    ({}, dict(mode="prefill"), "model_mode='prefill'"),
+    ({}, dict(mode="autoregressive"), "model_mode='autoregressive'"),
+    (dict(inputs=jnp.zeros((8, 16))), {}, "activation of rank 2"),
+])
+def test_everything_else_is_left_to_maxtext_with_a_reason(kwargs, stack_kwargs,
+                                                          expected):
+  reason, projection, _ = _reason(_stack(("embed", "mlp"), **stack_kwargs),
+                                  **kwargs)
+  assert projection is None and expected in reason
+
+
+def test_unknown_kernel_axes_are_left_to_maxtext():
+  reason, projection, name = _reason(_stack(("embed", "vocab"), attr="x"))
+  assert projection is None and "not a known mlp projection" in reason
+  assert name == "mlp/x"
+
+
+def test_every_projection_is_keyed_by_owner_and_kernel_axes_once():
+  keys = [(p.owner, p.kernel_axes) for p in projections.PROJECTIONS]
+  assert len(keys) == len(set(keys))
+  for p in projections.PROJECTIONS:
+    assert projections.find_projection(p.owner, list(p.kernel_axes)) is p
