@@ -12,7 +12,7 @@ def prepare():
   Until the packages are installed (setup.py), they are used from the
   checkout. Emulated CPU devices give the CPU run a mesh; the flag only
   changes the CPU platform, so it is harmless where GPUs are present, and an
-  explicit setting wins. Must run before JAX is imported.
+  explicit setting wins. Must run before JAX starts a backend.
   """
   for package, folder in (("reference_host", "host"),
                           ("collective_matmul", "plugin")):
@@ -22,3 +22,7 @@ def prepare():
       "XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8")
+  # XLA's command buffers off, so the Hopper kernels may run; both arms of
+  # the A/B run with the same XLA_FLAGS.
+  import collective_matmul  # pylint: disable=g-import-not-at-top
+  collective_matmul.prepare_xla_for_kernels()

@@ -7,12 +7,15 @@ Public API:
   CollectiveMatmulConfig, get_config, set_config, config_context,
   config_from_flags: what the override does.
   Decision, decisions, clear_decisions, format_decisions: what it did.
+  prepare_xla_for_kernels: XLA_FLAGS the Hopper kernels need (call before
+    JAX starts its GPU backend).
 """
 from collective_matmul.config import CollectiveMatmulConfig
 from collective_matmul.config import config_context
 from collective_matmul.config import get_config
 from collective_matmul.config import set_config
 from collective_matmul.flags import config_from_flags
+from collective_matmul.kernels.tuning import prepare_xla_for_kernels
 from collective_matmul.ops import all_gather_matmul
 from collective_matmul.ops import matmul_reduce_scatter
 from collective_matmul.override import Decision

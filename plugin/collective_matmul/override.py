@@ -190,6 +190,10 @@ def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
                  out_dtype=out_dtype)
   if reason is not None:
     return f"pallas unavailable: {reason}", cfg.fallback_impl, True
+  reason = tuning.command_buffer_reason(_platform(mesh))
+  if reason is not None:
+    # XLA's own program (NCCL + cuBLAS) is the fast safe choice on a GPU.
+    return f"pallas unavailable: {reason}", "baseline", True
   if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
     return "the reduce-scatter kernel is switched off", "baseline", True
   small = tuning.too_small_reason(rows, k, n, dtype, axis_size,

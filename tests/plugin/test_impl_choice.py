@@ -28,6 +28,13 @@ class _Mesh:
   axis_sizes: tuple = (1, 2)
 
 
+@pytest.fixture(autouse=True)
+def _command_buffers_off(monkeypatch):
+  """The kernels run only with XLA's command buffers off (see
+  tuning.command_buffer_reason); tests of that rule set XLA_FLAGS again."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+
+
 HOPPER = _Mesh(_Device("gpu", "NVIDIA H200"))
 AMPERE = _Mesh(_Device("gpu", "NVIDIA A100-SXM4-80GB"))
 CPU = _Mesh(_Device("cpu", "cpu"))
@@ -111,3 +118,31 @@ def test_forced_portable_impls_serve_both_directions(impl):
   cfg = cm.CollectiveMatmulConfig(enabled=True, impl=impl)
   assert _choose(cfg, _reduce_scatter(4096, 4096, 4096), HOPPER) == (
       impl, impl, "", False)
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+@pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])
+def test_command_buffers_on_fall_back_to_xla_with_the_reason(
+    impl, case, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  chosen, backward, reason, is_fallback = _choose(
+      cm.CollectiveMatmulConfig(enabled=True, impl=impl),
+      case(8192, 4096, 4096), HOPPER)
+  assert (chosen, backward) == ("baseline", "baseline")
+  assert "command buffers" in reason and "--xla_gpu_enable_command_buffer="\
+      in reason
+  assert is_fallback == (impl == "pallas")
+
+
+@pytest.mark.parametrize("flags,safe", [
+    ("", False),
+    ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", False),
+    ("--xla_gpu_enable_command_buffer=", True),
+    ("--a=1 --xla_gpu_enable_command_buffer= --b=2", True),
+    ("--xla_gpu_enable_command_buffer= --xla_gpu_enable_command_buffer=FUSION",
+     False),
+])
+def test_command_buffer_rule_reads_the_last_setting(flags, safe):
+  from collective_matmul.kernels import tuning
+  assert (tuning.command_buffer_reason("gpu", flags) is None) == safe
+  assert tuning.command_buffer_reason("cpu", flags) is None

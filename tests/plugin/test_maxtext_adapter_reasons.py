@@ -76,3 +76,19 @@ def test_every_projection_is_keyed_by_owner_and_kernel_axes_once():
   assert len(keys) == len(set(keys))
   for p in projections.PROJECTIONS:
     assert projections.find_projection(p.owner, list(p.kernel_axes)) is p
+
+
+@pytest.mark.parametrize("argv,may_run", [
+    (["prog", "base.yml", "steps=3"], False),
+    (["prog", "base.yml", "--use_collective_matmul"], True),
+    (["prog", "--use_collective_matmul", "--collective_matmul_impl=pallas"],
+     True),
+    (["prog", "--use_collective_matmul", "--collective_matmul_impl=ring"],
+     False),
+    (["prog", "--use_collective_matmul=false"], False),
+    (["prog", "--use_collective_matmul", "--nouse_collective_matmul"], False),
+])
+def test_the_launcher_switches_command_buffers_off_only_for_kernel_runs(
+    argv, may_run):
+  from collective_matmul.integrations.maxtext import __main__ as launcher
+  assert launcher._kernels_may_run(argv) == may_run

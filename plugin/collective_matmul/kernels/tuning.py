@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,48 @@ def unsupported_reason(*, platform: str, device_kind: str, dtype, m: int,
   if axis_size < 1:
     return f"axis size {axis_size}"
   return None
+
+
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="
+
+
+def command_buffer_reason(platform: str,
+                          xla_flags: str | None = None) -> str | None:
+  """Why XLA's command buffers make the kernels unsafe here, or None.
+
+  XLA on GPU records runs of thunks into CUDA graphs and replays them. Under
+  replay the Mosaic collective kernels lose their cross-device ordering:
+  inside MaxText on 2 x H200 (JAX 0.11.2) every step from the first replay
+  on gave wrong gradients, and with command buffers off the same run
+  matched the baseline (benchmarks/maxtext/). So the kernels run only when
+  XLA_FLAGS switches them off (`--xla_gpu_enable_command_buffer=`, as the
+  MaxText launcher sets it). `xla_flags`: XLA_FLAGS (default: the process
+  environment, the same on every process of a job).
+  """
+  if platform not in ("gpu", "cuda"):
+    return None
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  values = re.findall(re.escape(COMMAND_BUFFER_FLAG) + r"(\S*)", flags)
+  if values and values[-1].strip("'\"") == "":
+    return None
+  return ("XLA command buffers (CUDA graphs) are on, and the kernels give "
+          "wrong results under graph replay: set XLA_FLAGS="
+          f"{COMMAND_BUFFER_FLAG} to use them")
+
+
+def prepare_xla_for_kernels() -> bool:
+  """Switches XLA's command buffers off (XLA_FLAGS), so the Hopper kernels
+  may run (see `command_buffer_reason`). Call before JAX starts its GPU
+  backend; an explicit `--xla_gpu_enable_command_buffer=...` in XLA_FLAGS
+  is left as it is.
+
+  Returns:
+    Whether XLA_FLAGS now switches command buffers off.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if COMMAND_BUFFER_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}".strip()
+  return command_buffer_reason("gpu") is None
 
 
 def too_small_reason(m: int, k: int, n: int, dtype, axis_size: int,

@@ -12,6 +12,7 @@ not) is printed once.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -50,14 +51,34 @@ def main(argv: Sequence[str]) -> None:
   version = adapter.install()
   config = cm.get_config()  # The parsed flags' configuration.
   print(f"collective matmul: MaxText {version} patched; plugin "
-        f"{'on, impl=' + config.impl if config.enabled else 'off'}",
-        flush=True)
+        f"{'on, impl=' + config.impl if config.enabled else 'off'}"
+        f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   print_decisions_after_compiles()
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
   train.main(list(argv))
 
 
+def _kernels_may_run(argv: Sequence[str]) -> bool:
+  """Whether the command line switches the plugin on with an implementation
+  that may pick the Hopper kernels (read before absl parses it: XLA_FLAGS
+  must be set before JAX starts its backend)."""
+  on = impl = None
+  for arg in argv[1:]:
+    name, _, value = arg.partition("=")
+    if name in ("--use_collective_matmul", "-use_collective_matmul"):
+      on = value.lower() not in ("false", "0", "no")
+    elif name in ("--nouse_collective_matmul", "-nouse_collective_matmul"):
+      on = False
+    elif name in ("--collective_matmul_impl", "-collective_matmul_impl"):
+      impl = value
+  return bool(on) and impl in (None, "auto", "pallas")
+
+
 def run() -> None:
+  if _kernels_may_run(sys.argv):
+    # Command buffers off: only for runs that may use the kernels, so a
+    # plugin-off run is stock MaxText's program.
+    cm.prepare_xla_for_kernels()
   # MaxText's modules define absl flags of their own: import them before
   # absl parses the command line.
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top,unused-import

@@ -1,0 +1,248 @@
+"""A/B inside real MaxText: the same training run as separate processes,
+plugin off, plugin on, and (optionally) XLA's windowed einsum.
+
+    python scripts/maxtext_ab.py --out DIR [--arms off,auto,windowed] \\
+        -- <maxtext>/configs/base.yml key=value ...
+
+Each arm runs `python -m collective_matmul.integrations.maxtext` with the
+MaxText arguments given (plus run_name, metrics_file and output directory)
+under its own timeout, and the report compares MaxText's own per-step
+metrics (`perf/step_time_seconds`, `learning/loss`). Written to DIR:
+ab.json (everything, with the commands), report.md, ab.png, and each arm's
+log and metrics. Exit status 1 when an arm fails or the losses differ by
+more than the tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ARMS = {
+    # name: (plugin flags, extra XLA_FLAGS)
+    "off": ((), ""),
+    "auto": (("--use_collective_matmul", "--collective_matmul_impl=auto"), ""),
+    "ring": (("--use_collective_matmul", "--collective_matmul_impl=ring"), ""),
+    "windowed": ((), "--xla_gpu_threshold_for_windowed_einsum_mib=0 "
+                     "--xla_gpu_multi_streamed_windowed_einsum=true"),
+}
+WARMUP_STEPS = 2  # Compile and first-touch: not in the median.
+LOSS_RTOL = {"bfloat16": 2e-2, "float32": 1e-4}
+
+
+def parse_arm(spec: str) -> tuple[str, tuple[str, ...], str]:
+  """A named arm, or NAME=ARGS: ARGS' `--xla_*` flags go to XLA_FLAGS, its
+  other `--` flags to the launcher (plugin flags) and its key=value
+  arguments to MaxText, e.g.
+  `auto_noscan=--use_collective_matmul scan_layers=False`."""
+  if "=" not in spec.split()[0] or spec.split("=", 1)[0] in ARMS:
+    if spec not in ARMS:
+      raise ValueError(f"unknown arm {spec!r}: one of {sorted(ARMS)} or "
+                       "NAME=ARGS")
+    return spec, *ARMS[spec]
+  name, args = spec.split("=", 1)
+  args = args.split()
+  xla = " ".join(a for a in args if a.startswith("--xla_"))
+  return name, tuple(a for a in args if not a.startswith("--xla_")), xla
+
+
+def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int
+            ) -> dict:
+  arm, flags, xla_flags = parse_arm(spec)
+  metrics = os.path.join(out, f"{arm}.metrics.jsonl")
+  if os.path.exists(metrics):
+    os.remove(metrics)
+  argv = [sys.executable, "-m", "collective_matmul.integrations.maxtext",
+          *maxtext_args, f"run_name=ab_{arm}",
+          f"base_output_directory={os.path.join(out, 'runs')}",
+          f"metrics_file={metrics}", *flags]
+  env = dict(os.environ)
+  if xla_flags:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+  started = time.time()
+  with open(os.path.join(out, f"{arm}.log"), "w") as log:
+    try:
+      rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                          timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+  with open(os.path.join(out, f"{arm}.log")) as log:
+    text = log.read()
+  steps = []
+  if os.path.exists(metrics):
+    with open(metrics) as f:
+      steps = [json.loads(line) for line in f]
+  losses = [s["learning/loss"] for s in steps]
+  times = [s["perf/step_time_seconds"] for s in steps]
+  timed = times[WARMUP_STEPS:]
+  # The launcher's table: a summary line, then one indented line each.
+  table = re.search(r"^collective matmul: \d+ of \d+ dot_generals "
+                    r"rewritten\n((?:  .*\n)*)", text, re.M)
+  table_start = table.start() if table else -1
+  decisions = ([line.strip() for line in table.group(1).splitlines()]
+               if table else [])
+  return {
+      "arm": arm, "rc": rc, "seconds": round(time.time() - started, 1),
+      "command": " ".join(argv), "xla_flags": env.get("XLA_FLAGS", ""),
+      "losses": losses, "step_times_s": times,
+      "median_step_ms": 1e3 * statistics.median(timed) if timed else None,
+      "decisions": decisions,
+      "decision_summary": (text[table_start:].splitlines()[0]
+                           if table_start >= 0 else None),
+  }
+
+
+def compare(arms: list[dict], dtype: str) -> dict:
+  base = next(a for a in arms if a["arm"] == "off")
+  rows = []
+  ok = all(a["rc"] == 0 and a["losses"] for a in arms)
+  for arm in arms:
+    n = min(len(arm["losses"]), len(base["losses"]))
+    diffs = [abs(arm["losses"][i] - base["losses"][i]) /
+             abs(base["losses"][i]) for i in range(n)]
+    max_diff = max(diffs) if diffs else None
+    ratio = (arm["median_step_ms"] / base["median_step_ms"]
+             if arm["median_step_ms"] and base["median_step_ms"] else None)
+    same = max_diff is not None and max_diff <= LOSS_RTOL.get(dtype, 2e-2)
+    ok = ok and same
+    rows.append({"arm": arm["arm"], "median_step_ms": arm["median_step_ms"],
+                 "ratio_vs_off": ratio, "max_rel_loss_diff": max_diff,
+                 "losses_match": same,
+                 "final_loss": arm["losses"][-1] if arm["losses"] else None})
+  return {"ok": ok, "rows": rows}
+
+
+def _fmt(value, spec):
+  return "-" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+  lines = [f"# A/B inside MaxText: {result['title']}", "",
+           f"- machine: {result['machine']}",
+           f"- versions: {result['versions']}",
+           f"- command: `python scripts/maxtext_ab.py {result['argv']}`",
+           f"- step time: median of MaxText's `perf/step_time_seconds` over "
+           f"steps {WARMUP_STEPS}.. (steps 0..{WARMUP_STEPS - 1} compile)",
+           f"- losses match: relative difference per step <= "
+           f"{LOSS_RTOL.get(result['dtype'], 2e-2)} ({result['dtype']})", "",
+           "| arm | median step (ms) | vs off | max rel. loss diff | "
+           "final loss |", "|---|---|---|---|---|"]
+  for row in result["comparison"]["rows"]:
+    lines.append(
+        f"| {row['arm']} | {_fmt(row['median_step_ms'], '.2f')} | "
+        f"{_fmt(row['ratio_vs_off'], '.3f')} | "
+        f"{_fmt(row['max_rel_loss_diff'], '.2e')} | "
+        f"{_fmt(row['final_loss'], '.5f')} |")
+  for arm in result["arms"]:
+    if arm["rc"] != 0:
+      lines += ["", f"**{arm['arm']} failed** (rc {arm['rc']}): see "
+                f"{arm['arm']}.log"]
+    if arm["decisions"]:
+      lines += ["", f"Decisions, arm `{arm['arm']}`: "
+                f"{arm['decision_summary']}", ""]
+      lines += [f"- {d}" for d in arm["decisions"]]
+  lines += ["", "Commands:", ""] + [
+      f"- {a['arm']}: `{a['command']}`" + (
+          f" with XLA_FLAGS=`{a['xla_flags']}`" if a["xla_flags"] else "")
+      for a in result["arms"]]
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> bool:
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+  for arm in result["arms"]:
+    times = [1e3 * t for t in arm["step_times_s"]][WARMUP_STEPS:]
+    ax_t.plot(range(WARMUP_STEPS, WARMUP_STEPS + len(times)), times,
+              marker=".", label=f"{arm['arm']} "
+              f"(median {_fmt(arm['median_step_ms'], '.1f')} ms)")
+    ax_l.plot(arm["losses"], marker=".", label=arm["arm"])
+  ax_t.set(xlabel="step", ylabel="step time (ms)",
+           title="MaxText step time per arm")
+  ax_l.set(xlabel="step", ylabel="loss", title="loss per arm")
+  ax_t.legend(), ax_l.legend()
+  fig.suptitle(result["title"])
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return True
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--arms", default="off,auto,windowed",
+                      help=f"comma-separated: {sorted(ARMS)}")
+  parser.add_argument("--arm", action="append", default=[],
+                      help="an extra arm NAME=ARGS (see parse_arm)")
+  parser.add_argument("--timeout", type=int, default=300,
+                      help="seconds per arm")
+  parser.add_argument("--title", default="")
+  parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
+  args = parser.parse_args()
+  maxtext_args = [a for a in args.maxtext_args if a != "--"]
+  arms = args.arms.split(",") + args.arm
+  try:
+    names = [parse_arm(a)[0] for a in arms]
+  except ValueError as e:
+    parser.error(str(e))
+  if "off" not in names or len(set(names)) != len(names):
+    parser.error(f"the arms need 'off' and distinct names, got {names}")
+  if not maxtext_args or not maxtext_args[0].endswith(".yml"):
+    parser.error("give MaxText's base.yml and key=value arguments after --")
+  os.makedirs(args.out, exist_ok=True)
+  dtype = next((a.split("=", 1)[1] for a in maxtext_args
+                if a.startswith("dtype=")), "bfloat16")
+  results = []
+  for arm in arms:
+    print(f"== arm {arm} ...", flush=True)
+    results.append(run_arm(arm, maxtext_args, args.out, args.timeout))
+    r = results[-1]
+    print(f"   rc={r['rc']} {r['seconds']} s, median step "
+          f"{_fmt(r['median_step_ms'], '.2f')} ms, {len(r['losses'])} steps"
+          + (f", {r['decision_summary']}" if r["decision_summary"] else ""),
+          flush=True)
+  import jax  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  result = {
+      "title": args.title or " ".join(a for a in maxtext_args[1:]
+                                      if a.startswith(("model_name=",
+                                                       "ici_"))),
+      "argv": " ".join(sys.argv[1:]), "dtype": dtype,
+      "machine": f"{len(devices)} x {devices[0].device_kind}, "
+                 f"{platform.node()}",
+      "versions": f"python {platform.python_version()}, jax "
+                  f"{jax.__version__}, maxtext "
+                  f"{_version('maxtext')}, flax {_version('flax')}",
+      "arms": results, "comparison": compare(results, dtype)}
+  with open(os.path.join(args.out, "ab.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  plotted = plot(result, os.path.join(args.out, "ab.png"))
+  report = markdown(result) + ("\n![step times and losses](ab.png)\n"
+                               if plotted else "")
+  with open(os.path.join(args.out, "report.md"), "w") as f:
+    f.write(report)
+  print(report)
+  return 0 if result["comparison"]["ok"] else 1
+
+
+def _version(package: str) -> str:
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+if __name__ == "__main__":
+  sys.exit(main())
