@@ -334,6 +334,16 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
     return plain()
 
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  # lax's own checks first (bad dimension numbers raise lax's TypeError),
+  # on shapes only: the rewrite must accept exactly what lax accepts.
+  jax.eval_shape(functools.partial(
+      lax.dot_general, dimension_numbers=dimension_numbers,
+      precision=precision, preferred_element_type=preferred_element_type),
+      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+  if 0 in lhs.shape or 0 in rhs.shape:
+    return left_to_xla(f"empty operand {lhs.shape}x{rhs.shape}",
+                       fallback=False)
   try:
     specs = (_explicit_specs(lhs, rhs) if mode == "explicit" else
              _logical_specs(lhs, rhs, lhs_axes, rhs_axes))
