@@ -7,8 +7,12 @@ Same config arguments as train.py. Both arms start from one init and see the
 same batches; their steps are interleaved. Writes report.md (per-step loss
 difference, step-time median and spread with their ratio, rewritten layers),
 ab.json (the raw numbers and the command) and ab.png (loss curves, step-time
-distributions) to --output_dir (default benchmarks/ab/<tag>/). The collective
-arm uses the plugin's flags with `enabled` forced on.
+distributions) to --output_dir (default <base_output_directory>/ab/<tag>/,
+with -2, -3, ... added rather than overwriting an earlier report). The
+collective arm uses the plugin's flags with `enabled` forced on.
+
+Exit status: 0 when the losses match, 1 when they do not, 3 when the plugin
+rewrote nothing (the mesh has no pattern: both arms ran the same program).
 """
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ import sys
 import script_setup  # pylint: disable=g-bad-import-order
 
 script_setup.prepare()
-REPO_ROOT = script_setup.REPO_ROOT
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
@@ -30,7 +33,8 @@ from reference_host import ab as ab_lib
 from reference_host import config as config_lib
 
 _OUTPUT_DIR = flags.DEFINE_string(
-    "output_dir", None, "Where the report goes; default benchmarks/ab/<tag>/.")
+    "output_dir", None, "Where the report goes; default "
+    "<base_output_directory>/ab/<tag>/ (never overwritten: -2, -3, ...).")
 _TAG = flags.DEFINE_string(
     "tag", None, "Names the default output dir; default "
     "<model>-<device>-<mesh>-<impl>.")
@@ -59,12 +63,30 @@ def main(argv: list[str]) -> int:
                          relative_tolerance=_TOLERANCE.value,
                          log=print if jax.process_index() == 0 else None)
   if jax.process_index() == 0:
-    output_dir = _OUTPUT_DIR.value or os.path.join(
-        REPO_ROOT, "benchmarks", "ab", _TAG.value or ab_lib.default_tag(result))
+    output_dir = _OUTPUT_DIR.value or _fresh_dir(os.path.join(
+        config.base_output_directory, "ab",
+        _TAG.value or ab_lib.default_tag(result)))
     paths = ab_lib.write_report(result, output_dir, command=command)
     print(ab_lib.summary(result))
     print("wrote " + ", ".join(paths.values()))
+  if not result.rewritten_layers:
+    print(f"warning: the collective matmul rewrote none of the "
+          f"{len(result.decisions)} dot_generals, so both arms ran the same "
+          "program and the step-time ratio means nothing. The pattern needs "
+          "activations sharded on rows over the axis that shards the weights' "
+          "output features: set ici_tensor_sequence_parallelism > 1. Why each "
+          "was left: see report.md.", file=sys.stderr)
+    return 3
   return 0 if result.losses_match else 1
+
+
+def _fresh_dir(path: str) -> str:
+  """`path`, or `path-2`, `path-3`, ... if it already holds a report."""
+  candidate, n = path, 1
+  while os.path.exists(os.path.join(candidate, "report.md")):
+    n += 1
+    candidate = f"{path}-{n}"
+  return candidate
 
 
 if __name__ == "__main__":

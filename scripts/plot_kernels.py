@@ -52,4 +52,9 @@ def main(src, dst):
 
 
 if __name__ == "__main__":
-  main(*sys.argv[1:3])
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("src", help="JSON written by scripts/bench_kernels.py")
+  parser.add_argument("dst", help="PNG to write")
+  args = parser.parse_args()
+  main(args.src, args.dst)

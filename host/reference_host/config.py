@@ -15,6 +15,7 @@ into the base rules as MaxText's pyconfig merges them
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -26,6 +27,8 @@ class ConfigError(ValueError):
   """A configuration problem, reported before anything is compiled."""
 
 
+# Keys only a base config defines (a model file given as the base lacks them).
+BASE_ONLY_KEYS = ("steps", "run_name", "logical_axis_rules")
 # Older MaxText model files (e.g. mistral-7b.yml) spell some keys differently.
 KEY_ALIASES = {"rms_norm_epsilon": "normalization_layer_epsilon"}
 
@@ -108,7 +111,15 @@ def _read_yaml(path: str, what: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     raise ConfigError(f"{what}: file not found: {path}")
   with open(path) as f:
-    data = yaml.safe_load(f)
+    try:
+      data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+      where = getattr(e, "problem_mark", None)
+      line = f" at line {where.line + 1}, column {where.column + 1}" if where \
+          else ""
+      problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+      raise ConfigError(f"{what}: {path} is not valid YAML{line}: "
+                        f"{problem}") from None
   if data is None:
     return {}
   if not isinstance(data, dict):
@@ -126,6 +137,15 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
     return default
   if default is None or value is None:
     return value
+  if isinstance(value, str) and isinstance(default, (int, float)) and (
+      not isinstance(default, bool)):
+    # YAML 1.1 reads `1e-3` (no dot) as a string; MaxText converts by the
+    # default's type.
+    try:
+      value = type(default)(value) if isinstance(default, float) else int(
+          value)
+    except ValueError:
+      pass
   if isinstance(default, bool):
     if isinstance(value, bool):
       return value
@@ -205,9 +225,15 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str,
            defaults: Mapping[str, Any]) -> None:
   unknown = sorted(k for k in updates if _canonical_key(k) not in defaults)
   if unknown:
+    hints = []
+    for key in unknown:
+      close = difflib.get_close_matches(key, list(defaults), n=3)
+      if close:
+        hints.append(f"{key}: did you mean {' or '.join(close)}?")
     raise ConfigError(
         f"unknown config key(s) {', '.join(unknown)} in {source} (every key "
-        "must be defined in base.yml)")
+        "must be defined in base.yml)" + ("; " + "; ".join(hints)
+                                            if hints else ""))
   for key, value in updates.items():
     key = _canonical_key(key)
     value = _coerce(key, value, defaults[key], source)
@@ -422,12 +448,10 @@ def _check_mesh_axes_are_used(config: Config,
           "repeat each other's work")
 
 
-def resolve_for_devices(config: Config, num_devices: int) -> Config:
-  """Fills the mesh sizes for `num_devices` and checks the batch divides.
-
-  Returns a config with `mesh_axis_sizes` ({axis: size} over MESH_AXES),
-  `data_parallelism` and `global_batch_size` set.
-  """
+def _mesh_sizes_for_devices(config: Mapping[str, Any],
+                            num_devices: int) -> dict[str, int]:
+  """{axis: size} with the fill axis resolved; the mesh must use exactly
+  the `num_devices` devices there are."""
   sizes = {axis: config[key] for axis, key in MESH_AXIS_KEYS.items()}
   fill_key = MESH_AXIS_KEYS[FILL_AXIS]
   set_axes = [axis for axis in MESH_AXES
@@ -444,6 +468,16 @@ def resolve_for_devices(config: Config, num_devices: int) -> Config:
         f"the mesh {_mesh_keys_text([FILL_AXIS, *set_axes], config)} has "
         f"{math.prod(sizes.values())} devices, not the {num_devices} devices "
         "there are (every other ici_*_parallelism key is 1)")
+  return sizes
+
+
+def resolve_for_devices(config: Config, num_devices: int) -> Config:
+  """Fills the mesh sizes for `num_devices` and checks the batch divides.
+
+  Returns a config with `mesh_axis_sizes` ({axis: size} over MESH_AXES),
+  `data_parallelism` and `global_batch_size` set.
+  """
+  sizes = _mesh_sizes_for_devices(config, num_devices)
   _check_sharded_dimensions_divide(config.to_dict(), sizes)
   _check_mesh_axes_are_used(config, sizes)
 
@@ -479,6 +513,14 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
     raise ConfigError("expected a config file as the first argument")
   base_path, *override_args = argv
   defaults = _read_yaml(base_path, "base config")
+  missing = [key for key in BASE_ONLY_KEYS if key not in defaults]
+  if missing:
+    stem = os.path.splitext(os.path.basename(base_path))[0]
+    base = os.path.join(os.path.dirname(base_path) or ".", "base.yml")
+    raise ConfigError(
+        f"{base_path} is not a base config (it has no {', '.join(missing)}); "
+        "a model file is chosen with model_name on top of the base file: "
+        f"{base} model_name={stem} " + " ".join(override_args))
   if "logical_axis_rules" in defaults:
     check_logical_axis_rules(defaults["logical_axis_rules"], base_path)
   values = dict(defaults)
@@ -500,6 +542,9 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
     _apply(values, _read_yaml(model_path, f"model_name={model_name}"),
            model_path, defaults)
   _apply(values, overrides, "command-line overrides", defaults)
+  if num_devices is not None:  # Mesh errors before what they cause.
+    _check_mesh_keys(values)
+    _mesh_sizes_for_devices(values, num_devices)
   _validate_values(values)
   config = Config(values)
   if num_devices is not None:

@@ -160,3 +160,42 @@ def test_maxtext_model_of_another_architecture_is_reported_by_key():
 def test_unsupported_feature_value_is_an_error_naming_the_key():
   with pytest.raises(config_lib.ConfigError, match="num_experts"):
     config_lib.load_config([BASE_CONFIG, "model_name=tiny", "num_experts=8"])
+
+
+# ----------------------------------------------- first-hour errors (issue 15)
+
+
+def test_a_model_file_given_as_the_base_says_how_to_choose_it():
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"not a base config.*base\.yml model_name=tiny "
+                           r"steps=5"):
+    config_lib.load_config([os.path.join(MODEL_DIR, "tiny.yml"), "steps=5"])
+
+
+def test_an_unknown_key_suggests_the_close_ones():
+  with pytest.raises(config_lib.ConfigError, match="stepz: did you mean steps"):
+    config_lib.load_config([BASE_CONFIG, "stepz=5"])
+
+
+def test_a_number_yaml_reads_as_a_string_is_converted_by_the_default_type():
+  config = config_lib.load_config([BASE_CONFIG, "learning_rate=1e-3"])
+  assert config.learning_rate == pytest.approx(1e-3)
+  assert isinstance(config.learning_rate, float)
+  with pytest.raises(config_lib.ConfigError, match="learning_rate='fast'"):
+    config_lib.load_config([BASE_CONFIG, "learning_rate=fast"])
+
+
+def test_a_mesh_that_does_not_fit_the_devices_is_blamed_first():
+  with pytest.raises(config_lib.ConfigError,
+                     match="ici_tensor_sequence_parallelism=3.*8 devices"):
+    config_lib.load_config([BASE_CONFIG, "model_name=tiny",
+                            "ici_tensor_sequence_parallelism=3"],
+                           num_devices=8)
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+  bad = tmp_path / "base.yml"
+  bad.write_text("steps: 5\nlogical_axis_rules: [[1,\nrun_name: x\n")
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"base\.yml is not valid YAML at line \d+"):
+    config_lib.load_config([str(bad)])
