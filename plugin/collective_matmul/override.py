@@ -95,12 +95,24 @@ def format_decisions(records: Sequence[Decision] | None = None) -> str:
   return "\n".join(lines)
 
 
+_logged_fallbacks: set[str] = set()
+
+
 def _record(decision: Decision, strict: bool, fallback: bool) -> None:
+  """Records a decision. A fallback (the pattern is there but not served as
+  asked) is logged as a warning once per distinct decision; everything else
+  only at verbosity 1 (`--v=1`): `format_decisions()` is the summary."""
   with _record_lock:
     _decisions.append(decision)
+    first = fallback and str(decision) not in _logged_fallbacks
+    if first:
+      _logged_fallbacks.add(str(decision))
   if strict and fallback:
     raise ValueError(f"collective matmul (strict): {decision}")
-  logging.info("collective matmul: %s", decision)
+  if first:
+    logging.warning("collective matmul fallback: %s", decision)
+  else:
+    logging.vlog(1, "collective matmul: %s", decision)
 
 
 def record_not_served(name: str | None, lhs, rhs, reason: str) -> None:
@@ -123,10 +135,29 @@ def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
 
 
 def _mesh_of(lhs, rhs, mode):
-  """The mesh the operands live on, or None."""
+  """The mesh the operands live on, or None.
+
+  Explicit mode: the operands' types say. Logical mode: the mesh set with
+  `jax.set_mesh`, else the one of a legacy `with mesh:` block (Paxml and
+  older MaxText enter their mesh that way).
+  """
   if mode == "explicit":
     return jax.typeof(lhs).sharding.mesh
   mesh = jax.sharding.get_abstract_mesh()
+  return _legacy_context_mesh() if mesh.empty else mesh
+
+
+def _legacy_context_mesh():
+  """The concrete `Mesh` of the innermost `with mesh:` block, or None.
+
+  JAX 0.10 has no public accessor for it; `shard_map(mesh=...)` takes the
+  concrete mesh as it is.
+  """
+  try:
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    mesh = mesh_lib.thread_resources.env.physical_mesh
+  except (ImportError, AttributeError):  # A JAX without the legacy context.
+    return None
   return None if mesh.empty else mesh
 
 
