@@ -418,3 +418,12 @@ def test_autotune_candidates_reject_an_unknown_pattern():
   with pytest.raises(ValueError, match="m, k and n"):
     list(autotuning.candidate_configs("reduce_scatter"))
 
+
+
+def test_a_cache_entry_this_version_cannot_read_is_a_miss(_private_cache):
+  _private_cache.parent.mkdir(parents=True, exist_ok=True)
+  key = tuning.cache_key(256, 512, 1024, "bfloat16", 8, device_kind="H200")
+  _private_cache.write_text(json.dumps({key: {"tile_m": 128,
+                                              "retired_field": 3}}))
+  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+                                   device_kind="H200") is None

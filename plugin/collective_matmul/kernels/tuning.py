@@ -361,18 +361,42 @@ def _local_device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+_warned_multiprocess_cache = []
+
+
+def _process_count() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_count()
+
+
 def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
                        pattern="all_gather"):
+  """The autotuned config of this problem, or None.
+
+  None too when the program runs on several processes: each reads its own
+  host's file, and processes that chose differently would hang the ring,
+  so a per-host cache never changes a choice there. An entry this version
+  cannot read (older or newer fields) is a miss, not an error.
+  """
   path = cache_path()
   if not os.path.exists(path):
+    return None
+  if _process_count() > 1:
+    if not _warned_multiprocess_cache:
+      _warned_multiprocess_cache.append(path)
+      from absl import logging  # pylint: disable=g-import-not-at-top
+      logging.warning(
+          "collective matmul: the autotune cache %s is not used in a "
+          "multi-process program (each process would read its own host's "
+          "file); the built-in tile choice applies", path)
     return None
   try:
     with open(path) as f:
       entry = json.load(f).get(cache_key(m, k, n, dtype, axis_size,
                                          device_kind, pattern))
-  except (OSError, ValueError):
+    return AllGatherMatmulConfig(**entry) if entry else None
+  except (OSError, ValueError, TypeError):
     return None
-  return AllGatherMatmulConfig(**entry) if entry else None
 
 
 def store_cached_config(config: AllGatherMatmulConfig, m, k, n, dtype,

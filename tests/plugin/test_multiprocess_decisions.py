@@ -1,0 +1,66 @@
+"""Every process decides the same (a ring where one device took another path
+hangs): two CPU processes under jax.distributed trace the same program, one
+with a different local autotune cache, and compare their decision records."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from collective_matmul.kernels import tuning
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _cache_with(path, tile_n):
+  key = tuning.cache_key(256, 512, 1024, "bfloat16", 4, device_kind="cpu")
+  config = tuning.AllGatherMatmulConfig(tile_m=128, tile_n=tile_n)
+  path.write_text(json.dumps({key: config.to_json()}))
+  return str(path)
+
+
+def _run_two_processes(tmp_path, caches):
+  port = str(_free_port())
+  procs, outs = [], []
+  for pid in range(2):
+    out = tmp_path / f"decisions_{pid}.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["COLLECTIVE_MATMUL_TUNING_CACHE"] = caches[pid]
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "multiprocess_decisions.py"),
+         str(pid), port, str(out)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True))
+    outs.append(out)
+  logs = []
+  for proc in procs:
+    try:
+      logs.append(proc.communicate(timeout=240)[0])
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      pytest.fail("a process hung (a ring where the processes disagree)")
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-4000:]
+  return [json.loads(out.read_text()) for out in outs]
+
+
+def test_two_processes_with_different_local_caches_decide_the_same(tmp_path):
+  caches = [_cache_with(tmp_path / "cache0.json", 128),
+            _cache_with(tmp_path / "cache1.json", 64)]
+  first, second = _run_two_processes(tmp_path, caches)
+  assert first["decisions"] == second["decisions"]
+  assert [d.split(":")[0] for d in first["decisions"]] == [
+      "wi (4, 32, 64)x(64, 32) float32", "wo (4, 32, 32)x(32, 64) float32"]
+  assert all(" rewritten -> ring over 'tensor'" in d
+             for d in first["decisions"])
+  # A per-host cache never changes a choice in a multi-process program.
+  assert first["config"] == second["config"]
+  assert first["max_abs_error"] < 1e-4 and second["max_abs_error"] < 1e-4
