@@ -41,14 +41,9 @@ LOGICAL_AXIS_RULES = (
     ("norm", ("tensor",)),
 )
 
-# The decoder's residual stream and each projection's logical axes, as
-# MaxText's llama2 decoder layer, MlpBlock and Attention use them in training.
-RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
-MLP_HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
-ATTN_INPUT = ("activation_batch_attn", "activation_input_length_attn",
-              "activation_embed_attn")
-ATTN_OUT = ("activation_batch_attn", "activation_length_attn",
-            "activation_heads", "activation_kv")
+# The activation axes the adapter uses for each projection (one place).
+from collective_matmul.integrations.maxtext.projections import (  # pylint: disable=g-import-not-at-top,unused-import
+    ATTN_INPUT, ATTN_OUT, MLP_HIDDEN, RESIDUAL)
 
 
 def mesh_shape(**sizes):
