@@ -42,17 +42,21 @@ def _check_operands(x, w, axis, axis_arg, impl, impls):
     raise ValueError(f"{axis_arg}={axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
   if impl == "pallas":
-    from collective_matmul.kernels import tuning  # pylint: disable=g-import-not-at-top
-    device = jax.devices()[0]
-    reason = tuning.unsupported_reason(
-        platform=jax.default_backend(), device_kind=device.device_kind,
-        dtype=x.dtype, m=max(1, x.size // max(1, x.shape[-1])),
-        k=max(1, x.shape[-1]), n=max(1, w.shape[-1]), axis_size=1)
+    reason = _pallas_unavailable_reason(x, w)
     if reason is not None:
       raise ValueError(
           "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
           f"bf16 or f16 operands; here: {reason}. Use impl='ring' (any "
           "backend) or 'baseline'.")
+
+
+def _pallas_unavailable_reason(x, w) -> str | None:
+  """Why this machine and these operands cannot run the Hopper kernels."""
+  from collective_matmul.kernels import tuning  # pylint: disable=g-import-not-at-top
+  return tuning.unsupported_reason(
+      platform=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
+      dtype=x.dtype, m=max(1, x.size // max(1, x.shape[-1])),
+      k=max(1, x.shape[-1]), n=max(1, w.shape[-1]), axis_size=1)
 
 
 def _rows_layout(x, axis, config_for):
