@@ -2,6 +2,8 @@
 
 Public API:
   dot_general, logical_dot_general: drop-in `lax.dot_general` overrides.
+  einsum, logical_einsum, mesh_axes_einsum: the same as `jnp.einsum` / einsum
+    ops (Flax NNX `Einsum(einsum_op=...)`, Praxis `EinsumOp`).
   all_gather_matmul, matmul_reduce_scatter: the differentiable ops, for use
     inside `shard_map`.
   CollectiveMatmulConfig, get_config, set_config, config_context,
@@ -14,6 +16,9 @@ from collective_matmul.config import CollectiveMatmulConfig
 from collective_matmul.config import config_context
 from collective_matmul.config import get_config
 from collective_matmul.config import set_config
+from collective_matmul.einsum_override import einsum
+from collective_matmul.einsum_override import logical_einsum
+from collective_matmul.einsum_override import mesh_axes_einsum
 from collective_matmul.flags import config_from_flags
 from collective_matmul.kernels.tuning import prepare_xla_for_kernels
 from collective_matmul.ops import all_gather_matmul
