@@ -382,11 +382,13 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
     return left_to_xla(f"sharding unreadable: {e}", fallback=True)
   if specs is None:
     return left_to_xla("operands carry no explicit sharding on a common "
-                       "Explicit mesh (use logical_dot_general for "
-                       "Auto-sharded models)", fallback=False)
+                       "Explicit mesh (use logical_dot_general or "
+                       "logical_einsum for Auto-sharded models)",
+                       fallback=False)
   mesh = _mesh_of(lhs, rhs, mode)
   if mesh is None:
-    return left_to_xla("no mesh is set (use jax.set_mesh)", fallback=True)
+    return left_to_xla("no mesh is set (use jax.set_mesh, or a `with mesh:` "
+                       "block)", fallback=True)
   manual = jax.sharding.AxisType.Manual
   if any(t == manual for t in mesh.axis_types):
     return left_to_xla("already inside shard_map (manual mesh axes)",
