@@ -70,7 +70,8 @@ def _demo(base_args: list[str]) -> int:
        f"{config.tensor_parallelism} (sequence parallel), "
        f"{config.steps} steps, collective matmul on vs off")
   collective_trainer = trainer_lib.Trainer(config, collective_config)
-  checkpointer = checkpoint_lib.Checkpointer(collective_trainer.config)
+  checkpointer = checkpoint_lib.Checkpointer(collective_trainer.config,
+                                             log=_log)
   state = collective_trainer.init_state()
   baseline_trainer = trainer_lib.Trainer(
       config, cm.CollectiveMatmulConfig(enabled=False))
@@ -98,8 +99,21 @@ def _demo(base_args: list[str]) -> int:
   return 0 if matches and rewritten else 1
 
 
+def _with_run_name(config: config_lib.Config) -> config_lib.Config:
+  """An explicit run_name resumes that run; without one (base.yml's empty
+  default) this run gets a fresh timestamped name and directory."""
+  if not config.enable_checkpointing or config.checkpoint_dir:
+    return config
+  named = checkpoint_lib.with_default_run_name(config)
+  if named.run_name != config.run_name:
+    _log(f"run_name not set: this run is {named.run_name!r} (pass "
+         f"run_name={named.run_name} to resume it)")
+  return named
+
+
 def _train(argv: list[str]) -> int:
   config = config_lib.load_config(argv, num_devices=jax.device_count())
+  config = _with_run_name(config)
   collective_config = cm.get_config()
   trainer = trainer_lib.Trainer(config, collective_config)
   config = trainer.config
@@ -112,7 +126,7 @@ def _train(argv: list[str]) -> int:
        f"{'on (' + collective_config.impl + ')' if collective_config.enabled else 'off'}")
   checkpointer = None
   if config.enable_checkpointing:
-    checkpointer = checkpoint_lib.Checkpointer(config)
+    checkpointer = checkpoint_lib.Checkpointer(config, log=_log)
     state, resumed = trainer.restore_or_init(checkpointer)
     _log(f"resumed from checkpoint step {resumed} in {checkpointer.directory}"
          if resumed is not None else
@@ -165,6 +179,15 @@ def main(argv: list[str]) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  except checkpoint_lib.CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 1
+  except trainer_lib.NonFiniteError as e:
+    print(f"training stopped: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt as e:  # trainer_lib.TrainingInterrupted too
+    print(str(e) or "interrupted (Ctrl-C)", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import signal
 import statistics
+import threading
 import time
 from typing import Any, Callable
 
@@ -35,6 +38,64 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 }
 
 TrainState = dict  # {"params": ..., "opt_state": ..., "step": int32 scalar}
+
+
+class NonFiniteError(FloatingPointError):
+  """The loss (or the state about to be saved) is nan or inf: training
+  stopped before anything of that step was saved."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+  """Ctrl-C: training stopped after the step (and the save) in flight."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+@contextlib.contextmanager
+def _stop_requests():
+  """Yields a list that the first Ctrl-C (SIGINT) appends to, so the loop
+  can stop after the step and save in flight; a second Ctrl-C interrupts at
+  once. Python's default handler only (not off the main thread, and not if
+  someone else installed a handler)."""
+  requests = []
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield requests
+    return
+
+  def request_stop(signum, frame):
+    if requests:
+      raise KeyboardInterrupt
+    requests.append(signum)
+
+  signal.signal(signal.SIGINT, request_stop)
+  try:
+    yield requests
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _non_finite_arrays(tree: Any) -> list[str]:
+  """Paths of the floating-point arrays in `tree` holding nan or inf."""
+  names = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if (jnp.issubdtype(leaf.dtype, jnp.inexact)
+        and not bool(jax.device_get(jnp.isfinite(leaf).all()))):
+      names.append(jax.tree_util.keystr(path, simple=True, separator="/"))
+  return names
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def synthetic_batch(config: config_lib.Config, step: int) -> np.ndarray:
@@ -240,23 +301,57 @@ class Trainer:
             checkpointer: checkpoint_lib.Checkpointer | None = None, log: Callable[[str], None] | None = print
             ) -> TrainResult:
     """Runs from `state["step"]` until `num_steps` (default: config.steps)
-    steps are done in total, saving through `checkpointer` when given."""
+    steps are done in total, saving through `checkpointer` when given.
+
+    Raises NonFiniteError when a step's loss (or the state about to be
+    saved) is nan or inf, before anything of that step is saved; and
+    TrainingInterrupted on Ctrl-C, after the step and save in flight finish.
+    """
     self.compile()
     last_step = self.config.steps if num_steps is None else num_steps
     first_step = int(jax.device_get(state["step"]))
     records = []
-    for step in range(first_step, last_step):
-      state, record = self.run_step(state, step)
-      records.append(record)
-      if log and (step % self.config.log_period == 0 or step == last_step - 1):
-        log(format_progress(record))
+    try:
+      with _stop_requests() as stop_requests:
+        for step in range(first_step, last_step):
+          state, record = self.run_step(state, step)
+          records.append(record)
+          finite = math.isfinite(record.loss)
+          if log and (step % self.config.log_period == 0
+                      or step == last_step - 1 or not finite):
+            log(format_progress(record))
+          if not finite:
+            raise NonFiniteError(
+                f"loss is {record.loss} at step {step}: stopped before "
+                f"saving anything from it ({_newest_checkpoint(checkpointer)})",
+                step)
+          last = step == last_step - 1
+          if checkpointer is not None and checkpointer.should_save(
+              step + 1, last=last):
+            self._check_finite_state(state, step, checkpointer)
+            checkpointer.save(step + 1, state, last=last)
+          if stop_requests and not last:
+            raise TrainingInterrupted(
+                f"interrupted (Ctrl-C) after step {step}: "
+                f"{_newest_checkpoint(checkpointer)}", step)
+    finally:
       if checkpointer is not None:
-        checkpointer.save(step + 1, state, last=(step == last_step - 1))
-    if checkpointer is not None:
-      checkpointer.wait_until_finished()
+        checkpointer.wait_until_finished()
     return TrainResult(state=state, records=records, decisions=self.decisions,
                        compile_time_s=self.compile_time_s,
                        first_step=first_step)
+
+  def _check_finite_state(self, state: TrainState, step: int,
+                          checkpointer: checkpoint_lib.Checkpointer) -> None:
+    """A finite loss can still leave nan/inf in the updated state."""
+    if bool(jax.device_get(_all_finite(state))):
+      return
+    names = _non_finite_arrays(state)
+    raise NonFiniteError(
+        f"the state after step {step} holds nan or inf in {names[0]}"
+        f"{f' and {len(names) - 1} more arrays' if len(names) > 1 else ''}: "
+        f"stopped before saving it ({_newest_checkpoint(checkpointer)})",
+        step)
 
   def restore_or_init(self, checkpointer: checkpoint_lib.Checkpointer
                       ) -> tuple[TrainState, int | None]:
@@ -265,6 +360,16 @@ class Trainer:
     if state is None:
       return self.init_state(), None
     return state, step
+
+
+def _newest_checkpoint(checkpointer: checkpoint_lib.Checkpointer | None
+                       ) -> str:
+  if checkpointer is None:
+    return "checkpointing is off"
+  steps = checkpointer.all_steps()
+  if not steps:
+    return f"no checkpoint in {checkpointer.directory} yet"
+  return f"newest checkpoint: step {steps[-1]} in {checkpointer.directory}"
 
 
 def format_progress(record: StepRecord) -> str:

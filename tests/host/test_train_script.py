@@ -36,7 +36,8 @@ def test_bad_mesh_is_reported_by_key_before_compiling():
 def test_resumes_from_latest_checkpoint(tmp_path):
   common = ("model_configs/base.yml", "model_name=tiny",
             "base_num_decoder_layers=1", "max_target_length=32",
-            f"base_output_directory={tmp_path}", "checkpoint_period=2",
+            f"base_output_directory={tmp_path}", "run_name=resume",
+            "checkpoint_period=2",
             "--use_collective_matmul", "--collective_matmul_impl=ring")
   first = _run(*common, "steps=2")
   assert first.returncode == 0, first.stdout + first.stderr
