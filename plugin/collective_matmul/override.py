@@ -221,7 +221,9 @@ def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
                  out_dtype=out_dtype)
   if reason is not None:
     return f"pallas unavailable: {reason}", cfg.fallback_impl, True
-  reason = tuning.command_buffer_reason(_platform(mesh))
+  reason = (tuning.command_buffer_reason(_platform(mesh)) or
+            tuning.process_layout_reason(axis_size, jax.process_count(),
+                                         jax.local_device_count()))
   if reason is not None:
     # XLA's own program (NCCL + cuBLAS) is the fast safe choice on a GPU.
     return f"pallas unavailable: {reason}", "baseline", True

@@ -146,3 +146,25 @@ def test_command_buffer_rule_reads_the_last_setting(flags, safe):
   from collective_matmul.kernels import tuning
   assert (tuning.command_buffer_reason("gpu", flags) is None) == safe
   assert tuning.command_buffer_reason("cpu", flags) is None
+
+
+@pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])
+def test_a_ring_across_processes_falls_back_to_xla_with_the_reason(
+    case, monkeypatch):
+  # One process per GPU: the path that fails on NCCL 2.28.9 (BUILD.md).
+  monkeypatch.setattr(override.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(override.jax, "local_device_count", lambda: 1)
+  chosen, backward, reason, _ = _choose(
+      cm.CollectiveMatmulConfig(enabled=True, impl="auto"),
+      case(8192, 4096, 4096), HOPPER)
+  assert (chosen, backward) == ("baseline", "baseline")
+  assert "spans several processes" in reason
+
+
+def test_one_process_owning_the_whole_ring_keeps_the_kernel(monkeypatch):
+  monkeypatch.setattr(override.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(override.jax, "local_device_count", lambda: 8)
+  chosen, _, reason, _ = _choose(
+      cm.CollectiveMatmulConfig(enabled=True, impl="auto"),
+      _all_gather(8192, 4096, 4096), HOPPER)
+  assert chosen == "pallas", reason

@@ -191,6 +191,25 @@ def command_buffer_reason(platform: str,
           f"{COMMAND_BUFFER_FLAG} to use them")
 
 
+def process_layout_reason(axis_size: int, process_count: int,
+                          local_device_count: int) -> str | None:
+  """Why the ring's devices cannot run the kernels as the program's
+  processes own them, or None.
+
+  With a ring over devices of several processes the kernel reaches its
+  peers through NCCL's `ncclGetPeerDevicePointer`, which fails with
+  NCCL 2.28.9 (`unhandled system error` at the first step, BUILD.md, issue
+  3); one process owning every device of the ring works. A process that
+  owns fewer devices than the ring has cannot own the whole ring.
+  """
+  if process_count > 1 and local_device_count < axis_size:
+    return (f"the ring over {axis_size} devices spans several processes "
+            f"({process_count} processes of {local_device_count} devices): "
+            "that path fails on NCCL 2.28.9 (BUILD.md); give each process "
+            "every GPU of its ring")
+  return None
+
+
 def prepare_xla_for_kernels() -> bool:
   """Switches XLA's command buffers off (XLA_FLAGS), so the Hopper kernels
   may run (see `command_buffer_reason`). Call before JAX starts its GPU
