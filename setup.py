@@ -21,6 +21,8 @@ setup(
         "numpy>=1.26",
         "absl-py>=2.1",
         "PyYAML>=6.0",
+        # The reference host's TensorBoard events (pure Python).
+        "tensorboardX>=2.6",
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],

@@ -26,6 +26,7 @@ script_setup.prepare()
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+from absl import logging
 import jax
 
 import collective_matmul as cm
@@ -47,6 +48,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 def main(argv: list[str]) -> int:
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # --verbosity=0: INFO logs too.
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   if len(argv) < 2:
@@ -88,6 +91,8 @@ def _fresh_dir(path: str) -> str:
     candidate = f"{path}-{n}"
   return candidate
 
+
+flags.adopt_module_key_flags(cm.flags)  # The plugin's flags in --help.
 
 if __name__ == "__main__":
   app.run(lambda argv: sys.exit(main(argv)))

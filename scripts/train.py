@@ -27,12 +27,14 @@ REPO_ROOT = script_setup.REPO_ROOT
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+from absl import logging
 import jax
 
 import collective_matmul as cm
 from reference_host import ab as ab_lib
 from reference_host import checkpoint as checkpoint_lib
 from reference_host import config as config_lib
+from reference_host import metrics as metrics_lib
 from reference_host import model as model_lib
 from reference_host import trainer as trainer_lib
 
@@ -102,8 +104,6 @@ def _demo(base_args: list[str]) -> int:
 def _with_run_name(config: config_lib.Config) -> config_lib.Config:
   """An explicit run_name resumes that run; without one (base.yml's empty
   default) this run gets a fresh timestamped name and directory."""
-  if not config.enable_checkpointing or config.checkpoint_dir:
-    return config
   named = checkpoint_lib.with_default_run_name(config)
   if named.run_name != config.run_name:
     _log(f"run_name not set: this run is {named.run_name!r} (pass "
@@ -112,14 +112,16 @@ def _with_run_name(config: config_lib.Config) -> config_lib.Config:
 
 
 def _train(argv: list[str]) -> int:
+  config_lib.load_config(argv)  # Key and value errors before JAX starts.
   config = config_lib.load_config(argv, num_devices=jax.device_count())
   config = _with_run_name(config)
   collective_config = cm.get_config()
   trainer = trainer_lib.Trainer(config, collective_config)
   config = trainer.config
+  mesh_text = " x ".join(f"{axis}={size}" for axis, size in
+                         config.mesh_axis_sizes.items() if size > 1)
   _log(f"model {config.model_name}: {model_lib.count_params(config) / 1e6:.1f}"
-       f"M params, mesh data={config.data_parallelism} x tensor="
-       f"{config.tensor_parallelism} on {jax.device_count()} "
+       f"M params, mesh {mesh_text or 'of one device'} on {jax.device_count()} "
        f"{jax.devices()[0].device_kind} devices ({jax.process_count()} "
        f"processes), global batch {config.global_batch_size} x "
        f"{config.max_target_length}; collective matmul "
@@ -137,10 +139,26 @@ def _train(argv: list[str]) -> int:
   _log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
   if collective_config.enabled:
     _log(cm.format_decisions(trainer.decisions))
+    if not any(d.rewritten for d in trainer.decisions):
+      _log("note: nothing was rewritten. The collective matmul needs "
+           "activations sharded on rows over the mesh axis that shards the "
+           "weights' output features: tensor-sequence parallelism "
+           "(ici_tensor_sequence_parallelism > 1). The reasons are above.")
   baseline_state = None
   if _CHECK_BASELINE.value:
     baseline_state = jax.tree.map(lambda x: x.copy(), state)
-  result = trainer.train(state, checkpointer=checkpointer, log=_log)
+  metrics = None
+  if jax.process_index() == 0:
+    metrics = metrics_lib.MetricsWriter(os.path.join(
+        config.base_output_directory, config.run_name))
+    _log(f"metrics: {metrics.jsonl_path}, TensorBoard events in "
+         f"{metrics.tensorboard_dir}")
+  try:
+    result = trainer.train(state, checkpointer=checkpointer, log=_log,
+                           on_record=metrics.write if metrics else None)
+  finally:
+    if metrics is not None:
+      metrics.close()
   if result.records:
     times = trainer_lib.summarize_step_times(result.step_times)
     _log(f"done: steps {result.first_step}..{result.records[-1].step}, "
@@ -164,6 +182,10 @@ def _train(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+  if not flags.FLAGS["verbosity"].present:
+    # Quiet by default: progress lines and the decision table on stdout;
+    # --verbosity=0 shows JAX's and orbax's INFO log, --v=1 each decision.
+    logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   cm.set_config(cm.config_from_flags())
@@ -189,6 +211,10 @@ def main(argv: list[str]) -> int:
     print(str(e) or "interrupted (Ctrl-C)", file=sys.stderr)
     return 130
 
+
+# The plugin's flags are this program's own: listed by --help, not only
+# --helpfull.
+flags.adopt_module_key_flags(cm.flags)
 
 if __name__ == "__main__":
   app.run(lambda argv: sys.exit(main(argv)))

@@ -131,6 +131,11 @@ class StepRecord:
   tokens_per_s: float
   tflops_per_device: float
   mfu: float | None
+  num_devices: int = 1
+
+  @property
+  def tokens_per_s_per_device(self) -> float:
+    return self.tokens_per_s / self.num_devices
 
 
 @dataclasses.dataclass
@@ -295,13 +300,18 @@ class Trainer:
     return state, StepRecord(
         step=step, loss=loss, step_time_s=elapsed,
         tokens_per_s=tokens / elapsed, tflops_per_device=tflops,
-        mfu=(tflops * 1e12 / peak) if peak else None)
+        mfu=(tflops * 1e12 / peak) if peak else None,
+        num_devices=self.mesh.size)
 
   def train(self, state: TrainState, num_steps: int | None = None, *,
-            checkpointer: checkpoint_lib.Checkpointer | None = None, log: Callable[[str], None] | None = print
+            checkpointer: checkpoint_lib.Checkpointer | None = None,
+            log: Callable[[str], None] | None = print,
+            on_record: Callable[[StepRecord], None] | None = None
             ) -> TrainResult:
     """Runs from `state["step"]` until `num_steps` (default: config.steps)
     steps are done in total, saving through `checkpointer` when given.
+    `log` gets a progress line every `log_period` steps; `on_record` every
+    step's record (metrics files).
 
     Raises NonFiniteError when a step's loss (or the state about to be
     saved) is nan or inf, before anything of that step is saved; and
@@ -316,6 +326,8 @@ class Trainer:
         for step in range(first_step, last_step):
           state, record = self.run_step(state, step)
           records.append(record)
+          if on_record is not None:
+            on_record(record)
           finite = math.isfinite(record.loss)
           if log and (step % self.config.log_period == 0
                       or step == last_step - 1 or not finite):
@@ -373,11 +385,13 @@ def _newest_checkpoint(checkpointer: checkpoint_lib.Checkpointer | None
 
 
 def format_progress(record: StepRecord) -> str:
-  mfu = f"{100 * record.mfu:.1f}%" if record.mfu is not None else "n/a"
-  return (f"step {record.step:5d} | loss {record.loss:.5f} | "
-          f"step time {1e3 * record.step_time_s:8.1f} ms | "
-          f"{record.tokens_per_s:10.0f} tokens/s | "
-          f"{record.tflops_per_device:.3g} TFLOP/s/device | MFU {mfu}")
+  """MaxText's step line (log tools parse it), plus MFU where known."""
+  line = (f"completed step: {record.step}, seconds: {record.step_time_s:.3f}, "
+          f"TFLOP/s/device: {record.tflops_per_device:.3f}, "
+          f"Tokens/s/device: {record.tokens_per_s_per_device:.3f}, "
+          f"loss: {record.loss:.5f}")
+  return line + (f", MFU: {100 * record.mfu:.1f}%"
+                 if record.mfu is not None else "")
 
 
 def summarize_step_times(times: list[float]) -> dict[str, float]:
