@@ -116,8 +116,9 @@ def check_maxtext() -> str:
                                 f"{module_name}.{path}")
     target = inspect.unwrap(target)  # Ours, if installed already.
     names = tuple(inspect.signature(target).parameters)
-    if names != expected if how == "exactly" else not set(expected) <= set(
-        names):
+    fits = (names == expected if how == "exactly"
+            else set(expected) <= set(names))
+    if not fits:
       raise MaxTextVersionError(
           f"MaxText {version}: {module_name}.{path} has parameters {names}, "
           f"the adapter expects {how} {expected}")
