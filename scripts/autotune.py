@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from collective_matmul import kernels
+from collective_matmul.kernels import autotuning
 
 
 def main():
@@ -21,7 +22,7 @@ def main():
   parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--pattern", default="all_gather",
-                      choices=list(kernels.autotuning.PATTERNS),
+                      choices=list(autotuning.PATTERNS),
                       help="which kernel: all_gather (shapes: shard m/k/n) "
                       "or reduce_scatter (m rows after the scatter/k/n)")
   args = parser.parse_args()

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh OUTDIR STEP [STEP ...]
 # Steps:
 #   tests_rs     tests/gpu/test_reduce_scatter_kernel.py
-#   tests_ag     tests/gpu/test_all_gather_kernel.py (single process)
+#   tests_ag     tests/gpu/test_all_gather_kernel.py (one process; the
+#                one-process-per-GPU test is xfail, see BUILD.md)
 #   multiprocess tests/gpu/multiprocess_check.py as one process per GPU
 #   bench_rs     bench_kernels.py, reduce-scatter shapes ($BENCH_ARGS appended)
 #   bench_ag     bench_kernels.py, all-gather shapes ($BENCH_ARGS appended)
@@ -45,7 +46,7 @@ for step in "$@"; do
       tail -3 "$out/tests_rs.log";;
     tests_ag)
       run_step tests_ag 240 python -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_all_gather_kernel.py -k "not one_process_per_gpu"
+        tests/gpu/test_all_gather_kernel.py
       tail -3 "$out/tests_ag.log";;
     multiprocess)
       for r in $(seq 0 $((ngpu - 1))); do

@@ -4,7 +4,6 @@
       benchmarks/kernels_h200x2.png
 """
 import json
-import sys
 
 METHODS = [("bound", "D x local cuBLAS (bound)"), ("ours", "ours"),
            ("seed", "seed example kernel"), ("nccl", "NCCL collective + cuBLAS"),

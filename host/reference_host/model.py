@@ -9,7 +9,6 @@ M mlp, V vocab.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -34,20 +33,6 @@ ATTENTION_AXES = ("activation_batch", "activation_length", "activation_heads",
 ATTENTION_OUTPUT_AXES = ("activation_batch", "activation_length",
                          "activation_heads")
 
-
-def takes_out_axes(logical_dot_general) -> bool:
-  """Whether a plugin's `logical_dot_general` takes the result's logical axes
-  (`out_axes`), which its matmul + reduce-scatter pattern needs."""
-  try:
-    return "out_axes" in inspect.signature(logical_dot_general).parameters
-  except (TypeError, ValueError):
-    return False
-
-
-# Read once, at import. Older plugins lack the keyword; the output
-# projections then go without it (and `collective_output_projections` changes
-# nothing).
-PLUGIN_TAKES_OUT_AXES = takes_out_axes(cm.logical_dot_general)
 
 _PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
               "highest": lax.Precision.HIGHEST}
@@ -88,12 +73,11 @@ def _plugin_dot_general(parent: nn.Module, name: str,
                         lhs_axes: Sequence[str], kernel_axes: Sequence[str],
                         out_axes: Sequence[str] | None = None):
   """The plugin's dot_general for layer `name` of `parent`, told the axes of
-  both operands and, when given and the plugin takes them, of the result."""
-  kwargs = {}
-  if out_axes is not None and PLUGIN_TAKES_OUT_AXES:
-    kwargs["out_axes"] = tuple(out_axes)
-  return cm.logical_dot_general(tuple(lhs_axes), tuple(kernel_axes),
-                                name=_layer_name(parent, name), **kwargs)
+  both operands and, when given, of the result."""
+  return cm.logical_dot_general(
+      tuple(lhs_axes), tuple(kernel_axes),
+      out_axes=None if out_axes is None else tuple(out_axes),
+      name=_layer_name(parent, name))
 
 
 def _projection(parent: nn.Module, name: str, features: int,

@@ -149,33 +149,27 @@ def _check_backward_impl(backward_impl):
                      f"{ALL_GATHER_IMPLS}")
 
 
-_KERNEL_NAMES = {"all_gather": "all_gather_lhs_matmul",
-                 "reduce_scatter": "matmul_reduce_scatter"}
+COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
 def backward_impl(impl: str, collective: str, dtype) -> str:
   """The implementation a backward pass uses for `collective` on `dtype`.
 
-  The forward's, except that `pallas` becomes `ring` where the Hopper kernel
-  for that collective does not exist (yet) or does not take `dtype` (an f32
-  cotangent of an op asked for f32 results): the backward of a kernel-served
-  op must not fail for want of the other kernel.
+  The forward's, except that `pallas` becomes `ring` where the Hopper
+  kernels do not take `dtype` (an f32 cotangent of an op asked for f32
+  results): the backward of a kernel-served op must not fail for it.
 
   Args:
     impl: the forward's implementation.
     collective: "all_gather" or "reduce_scatter".
     dtype: the backward operands' dtype.
   """
-  if collective not in _KERNEL_NAMES:
-    raise ValueError(f"collective={collective!r} is not one of "
-                     f"{tuple(_KERNEL_NAMES)}")
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective={collective!r} is not one of {COLLECTIVES}")
   if impl != "pallas":
     return impl
   from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
-  if jnp.dtype(dtype).name not in tuning.KERNEL_DTYPES:
-    return "ring"
-  from collective_matmul import kernels  # Imports Pallas Mosaic GPU.
-  return "pallas" if hasattr(kernels, _KERNEL_NAMES[collective]) else "ring"
+  return "pallas" if jnp.dtype(dtype).name in tuning.KERNEL_DTYPES else "ring"
 
 
 def _contract_leading(a, b, precision):
@@ -237,7 +231,7 @@ def _times_weight_transposed(dy, w):
                    nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
                        precision, preferred_element_type, kernel_config,
-                       save_gathered=False, bwd_impl=None):
+                       save_gathered=True, bwd_impl=None):
   del save_gathered, bwd_impl  # Only matter to the backward.
   return _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
                                  bidirectional, precision,
@@ -246,7 +240,7 @@ def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
 
 def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
                            precision, preferred_element_type, kernel_config,
-                           save_gathered=False, bwd_impl=None):
+                           save_gathered=True, bwd_impl=None):
   del bwd_impl
   if save_gathered:
     out, gathered = _all_gather_matmul_impl(
@@ -336,7 +330,7 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       impl: str = "ring", bidirectional: bool = True,
                       precision=None, preferred_element_type=None,
-                      kernel_config=None, save_gathered: bool = False,
+                      kernel_config=None, save_gathered: bool = True,
                       backward_impl: str | None = None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
 
@@ -356,14 +350,15 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     precision, preferred_element_type: as in `lax.dot_general`.
     kernel_config: a `kernels.AllGatherMatmulConfig` for `pallas`, or None to
       pick one for the shape.
-    save_gathered: keep the gathered activation `all_gather(x)` from the
-      forward for the weight gradient: D x the activation shard's memory,
-      held until the backward (`pallas` also adds an XLA all-gather to the
-      forward, as the kernel does not hand back the shards it received).
-      False: the backward gathers `x` again (one more all-gather's time).
+    save_gathered: (default, as in `CollectiveMatmulConfig`) keep the
+      gathered activation `all_gather(x)` from the forward for the weight
+      gradient: D x the activation shard's memory,
+      held until the backward (`pallas` keeps the shards its ring received;
+      the other impls gather them). False: the backward gathers `x` again
+      (one more all-gather's time).
     backward_impl: implementation of the backward's collective matmul
       (dx = reduce_scatter(dy @ w.T)); None: `impl`, with `pallas` made
-      `ring` where that kernel is missing or the dtype is not bf16/f16.
+      `ring` where the dtype is not bf16/f16.
 
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
@@ -378,7 +373,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           impl: str = "ring", bidirectional: bool = True,
                           precision=None, preferred_element_type=None,
-                          kernel_config=None, save_gathered: bool = False,
+                          kernel_config=None, save_gathered: bool = True,
                           backward_impl: str | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
   tiled=True)`, overlapped.
@@ -405,13 +400,14 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
       in the product's dtype, as XLA's reduce-scatter does.
     kernel_config: the `pallas` kernel's tuning config, or None to pick one
       for the shape.
-    save_gathered: in the backward, use the gathered cotangent that the dx
-      all-gather matmul assembles for dw too (D x the cotangent shard's
+    save_gathered: (default, as in `CollectiveMatmulConfig`) in the
+      backward, use the gathered cotangent that the dx all-gather matmul
+      assembles for dw too (D x the cotangent shard's
       memory while dw is computed). False: gather dy again for dw (one more
       all-gather's time).
     backward_impl: implementation of the backward's collective matmul
       (dx = all_gather(dy) @ w.T); None: `impl`, with `pallas` made `ring`
-      where that kernel is missing or the dtype is not bf16/f16.
+      where the dtype is not bf16/f16.
 
   Returns:
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum

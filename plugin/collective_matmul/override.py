@@ -214,11 +214,10 @@ def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
   or may not run (an explicit `pallas` then falls back), else it would only
   be slower (`auto` avoids it, an explicit `pallas` still runs it).
   """
-  check = (tuning.unsupported_reason if collective == "all_gather"
-           else tuning.unsupported_reason_reduce_scatter)
-  reason = check(platform=_platform(mesh), device_kind=_device_kind(mesh),
-                 dtype=dtype, m=rows, k=k, n=n, axis_size=axis_size,
-                 out_dtype=out_dtype)
+  # The same constraints for both kernels (per shard: rows, k, columns).
+  reason = tuning.unsupported_reason(
+      platform=_platform(mesh), device_kind=_device_kind(mesh), dtype=dtype,
+      m=rows, k=k, n=n, axis_size=axis_size, out_dtype=out_dtype)
   if reason is not None:
     return f"pallas unavailable: {reason}", cfg.fallback_impl, True
   reason = (tuning.command_buffer_reason(_platform(mesh)) or

@@ -118,6 +118,10 @@ def test_override_picks_pallas_on_hopper_and_matches_baseline():
 
 
 @pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+@pytest.mark.xfail(
+    run=False, reason="one process per GPU fails on NCCL 2.28.9 "
+    "(ncclGetPeerDevicePointer: unhandled system error, BUILD.md); where "
+    "NCCL >= 2.29.2, run it with --runxfail")
 def test_one_process_per_gpu():
   script = os.path.join(os.path.dirname(__file__), "multiprocess_check.py")
   procs = []

@@ -7,6 +7,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 
 import importlib.util  # pylint: disable=g-import-not-at-top
+import zlib  # pylint: disable=g-import-not-at-top
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -20,9 +21,15 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 
+_SESSION_SEED = int(os.environ.get(
+    "CM_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+
+
 @pytest.fixture
 def rng(request):
-  """A fresh random generator per test; the seed is printed on failure."""
-  seed = int(np.random.SeedSequence().entropy % (2**31))
-  print(f"{request.node.name}: seed {seed}")
+  """A fresh random generator per test, from the session seed
+  (CM_TEST_SEED=<n> replays a run, as in the plugin tests) and the test's
+  name; the seed is printed on failure."""
+  seed = (_SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)
+  print(f"{request.node.nodeid}: CM_TEST_SEED={_SESSION_SEED}")
   return np.random.default_rng(seed)

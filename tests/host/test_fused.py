@@ -71,20 +71,3 @@ def test_sharded_fused_slot_dim_is_an_error_naming_the_keys(key, logical):
     config_lib.load_config([BASE_CONFIG, "model_name=tiny", f"{key}=True",
                             rules])
   config_lib.load_config([BASE_CONFIG, "model_name=tiny", rules])  # unfused
-
-
-def test_model_builds_with_a_plugin_without_out_axes(monkeypatch):
-  def old_logical_dot_general(lhs_axes, rhs_axes, *, name=None, config=None):
-    del lhs_axes, rhs_axes, name, config
-    return jax.lax.dot_general
-
-  assert model_lib.takes_out_axes(cm.logical_dot_general)
-  assert not model_lib.takes_out_axes(old_logical_dot_general)
-  monkeypatch.setattr(model_lib.cm, "logical_dot_general",
-                      old_logical_dot_general)
-  monkeypatch.setattr(model_lib, "PLUGIN_TAKES_OUT_AXES", False)
-  config = config_lib.load_config([BASE_CONFIG, *TEST_MODEL_ARGS, *FUSED])
-  tokens = jnp.zeros((1, 8), jnp.int32)
-  variables = jax.eval_shape(model_lib.Transformer(config).init,
-                             jax.random.key(0), tokens)
-  assert "wi" in variables["params"]["layers_0"]["mlp"]

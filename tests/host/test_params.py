@@ -9,7 +9,6 @@ import pytest
 import collective_matmul as cm
 from reference_host import ab as ab_lib
 from reference_host import config as config_lib
-from reference_host import model as model_lib
 from reference_host import trainer as trainer_lib
 
 from host_test_utils import BASE_CONFIG, TEST_MODEL_ARGS
@@ -102,11 +101,10 @@ def test_collective_flag_rewrites_the_projections_and_keeps_the_loss(
     # ici_tensor_sequence_parallelism sizes MaxText's own mesh axis.
     assert decision.axis == "tensor_sequence"
     assert decision.pattern == "all_gather"
-  if model_lib.PLUGIN_TAKES_OUT_AXES:
-    for layer in ("mlp/wo", "self_attention/out"):
-      decision = by_name[f"layers_0/{layer}"]
-      assert decision.rewritten, decision
-      assert decision.pattern == "reduce_scatter"
+  for layer in ("mlp/wo", "self_attention/out"):
+    decision = by_name[f"layers_0/{layer}"]
+    assert decision.rewritten, decision
+    assert decision.pattern == "reduce_scatter"
 
 
 def test_output_projections_can_be_left_to_xla(rng):

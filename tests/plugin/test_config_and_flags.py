@@ -172,3 +172,19 @@ def test_a_program_that_only_parses_flags(tmp_path, argv, expected):
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert expected in result.stdout
+
+
+def test_importing_the_package_does_not_import_pallas():
+  import subprocess
+  import sys
+  program = ("import sys, collective_matmul\n"
+             "loaded = lambda: [m for m in sys.modules if 'pallas' in m]\n"
+             "assert not loaded(), loaded()\n"
+             "from collective_matmul import kernels\n"
+             "assert not loaded(), loaded()\n"
+             "kernels.all_gather_lhs_matmul\n"
+             "assert loaded()\n"
+             "assert callable(kernels.matmul_reduce_scatter)\n")
+  result = subprocess.run([sys.executable, "-c", program],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]

@@ -1,8 +1,27 @@
-"""Hopper kernels. Importing this package imports Pallas Mosaic GPU."""
-from collective_matmul.kernels.all_gather_matmul import all_gather_lhs_matmul
-from collective_matmul.kernels.tuning import AllGatherMatmulConfig
-from collective_matmul.kernels.tuning import select_config
-from collective_matmul.kernels.tuning import select_reduce_scatter_config
-from collective_matmul.kernels.tuning import unsupported_reason
-from collective_matmul.kernels.autotuning import autotune
-from collective_matmul.kernels.matmul_reduce_scatter import matmul_reduce_scatter
+"""Hopper kernels (Pallas Mosaic GPU) and their tiling.
+
+The kernel modules, and with them Pallas Mosaic GPU, are imported on first
+use of their names, so `import collective_matmul` (which reads `tuning` for
+its decisions) does not import them.
+"""
+import importlib
+
+# Public name -> the submodule that defines it.
+_LAZY = {
+    "all_gather_lhs_matmul": "all_gather_matmul",
+    "matmul_reduce_scatter": "matmul_reduce_scatter_kernel",
+    "autotune": "autotuning",
+    "AllGatherMatmulConfig": "tuning",
+    "select_config": "tuning",
+    "select_reduce_scatter_config": "tuning",
+    "unsupported_reason": "tuning",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+  globals()[name] = value  # Found directly from now on.
+  return value

@@ -244,16 +244,6 @@ def too_small_reason(m: int, k: int, n: int, dtype, axis_size: int,
   return None
 
 
-def unsupported_reason_reduce_scatter(**kwargs) -> str | None:
-  """`unsupported_reason` for the matmul-reduce-scatter kernel.
-
-  Same constraints (per shard: m rows after the scatter, k the local
-  contraction, n the output columns); rows, k and columns that do not fit
-  the tiles are padded.
-  """
-  return unsupported_reason(**kwargs)
-
-
 def _candidates():
   for tile_m, tile_n, wg in ((128, 128, "n"), (128, 128, "m"),
                              (128, 64, "n"), (64, 128, "n"), (64, 64, "n")):

@@ -276,8 +276,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
       bf16 or f16.
     w: `[k, n]`, the matching rows of the weight, same dtype.
     axis_name: mesh axis of the ring (NVLink peers).
-    config: tiling (an `AllGatherMatmulConfig`; the send fields are unused);
-      None picks one.
+    config: tiling and send pacing (an `AllGatherMatmulConfig`: `send_gap`,
+      `send_pieces`, `spread_sends`, `early_announce`); None picks one
+      (`tuning.select_reduce_scatter_config`).
     out_dtype: result (and partial-sum) dtype: x's (default) or float32.
     rows_per_batch: when x is `[b, D * s, k]` scattered on the middle
       dimension and flattened, pass `s`: row block d is then rows
