@@ -11,8 +11,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from collective_matmul import kernels
-from collective_matmul.kernels import autotuning
+from collective_matmul import autotuning
 
 
 def main():
@@ -31,7 +30,7 @@ def main():
                        axis_types=(jax.sharding.AxisType.Explicit,))
   for text in args.shapes:
     m, k, n = map(int, text.split("/"))
-    best, results = kernels.autotune(m, k, n, dtype, mesh, "x",
+    best, results = autotuning.autotune(m, k, n, dtype, mesh, "x",
                                      iterations=args.iterations,
                                      pattern=args.pattern)
     for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:

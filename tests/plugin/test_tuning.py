@@ -397,7 +397,7 @@ def test_kernel_config_json_roundtrip():
 @pytest.mark.parametrize("shape", [(1024, 4096, 4096), (4096, 7168, 8192),
                                    (300, 512, 384)])
 def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
-  from collective_matmul.kernels import autotuning
+  from collective_matmul import autotuning
   chosen = tuning.select_reduce_scatter_config(*shape, "bfloat16", 2)
   candidates = list(autotuning.candidate_configs("reduce_scatter", *shape,
                                                  dtype="bfloat16"))
@@ -412,7 +412,7 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
 
 
 def test_autotune_candidates_reject_an_unknown_pattern():
-  from collective_matmul.kernels import autotuning
+  from collective_matmul import autotuning
   with pytest.raises(ValueError, match="pattern"):
     list(autotuning.candidate_configs("all_reduce"))
   with pytest.raises(ValueError, match="m, k and n"):

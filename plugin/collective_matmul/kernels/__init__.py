@@ -10,7 +10,6 @@ import importlib
 _LAZY = {
     "all_gather_lhs_matmul": "all_gather_matmul",
     "matmul_reduce_scatter": "matmul_reduce_scatter_kernel",
-    "autotune": "autotuning",
     "AllGatherMatmulConfig": "tuning",
     "select_config": "tuning",
     "select_reduce_scatter_config": "tuning",

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from collective_matmul import ops
 from collective_matmul.kernels import tuning
 
 
@@ -103,7 +104,6 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
   Returns:
     (best config, {config repr: microseconds}).
   """
-  from collective_matmul import ops
   if pattern not in PATTERNS:
     raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
   d = mesh.shape[axis_name]
