@@ -1,4 +1,7 @@
 """Shared helpers of the plugin tests."""
+import difflib
+import re
+
 import jax
 from jax.sharding import AxisType
 import numpy as np
@@ -49,3 +52,33 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 def put(array, mesh, spec):
   """`array` placed on `mesh` with partition spec `spec`."""
   return jax.device_put(array, jax.sharding.NamedSharding(mesh, spec))
+
+
+def compiled_hlo(mesh, f, *args, **config) -> str:
+  """The compiled program of `jax.jit(f)(*args)` on `mesh` with the plugin's
+  configuration `config` (a fresh function object per configuration: jit's
+  cache does not key on it)."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  with jax.set_mesh(mesh), cm.config_context(**config):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def normalized_hlo(text: str) -> str:
+  """The program without names and debug info that differ by caller only.
+
+  Drops the module name, the FileNames/FunctionNames/FileLocations/
+  StackFrames tables (source locations of the Python callers) and every
+  instruction's metadata={...} (op_name and stack frame ids). Instructions,
+  shapes, shardings, collectives and fusions are kept.
+  """
+  text = re.sub(r"^HloModule \S+,", "HloModule M,", text, flags=re.M)
+  text = re.sub(r"\nFileNames\n.*?\n\n(?=%|ENTRY)", "\n", text, flags=re.S)
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def hlo_diff(reference: str, other: str, names=("reference", "other")) -> str:
+  """The unified diff of two compiled programs, normalized; empty if the
+  same program."""
+  return "\n".join(difflib.unified_diff(
+      normalized_hlo(reference).splitlines(),
+      normalized_hlo(other).splitlines(), *names, lineterm=""))

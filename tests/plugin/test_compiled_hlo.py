@@ -1,14 +1,13 @@
 """What the compiled programs contain: read the optimized HLO text."""
-import difflib
 import re
 
-import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 import pytest
 
 import collective_matmul as cm
 from plugin_test_utils import DN_LAST, mesh_1d, mesh_2d, normal, put
+from plugin_test_utils import compiled_hlo, hlo_diff, normalized_hlo
 
 CASES = {
     "1d_rows": (lambda: mesh_1d(4), (16, 32), P("x", None), P(None, "x"),
@@ -30,23 +29,8 @@ def _inputs(case, keys):
   return mesh, x, w, out_spec
 
 
-def _compiled(mesh, f, x, w, **config):
-  with jax.set_mesh(mesh), cm.config_context(**config):
-    return jax.jit(f).lower(x, w).compile().as_text()
-
-
-def _normalized(text):
-  """The program without names and debug info that differ by caller only.
-
-  Drops the module name, the FileNames/FunctionNames/FileLocations/
-  StackFrames tables (source locations of the Python callers) and every
-  instruction's metadata={...} (op_name and stack frame ids). Instructions,
-  shapes, shardings, collectives and fusions are kept.
-  """
-  text = re.sub(r"^HloModule \S+,", "HloModule M,", text, flags=re.M)
-  text = re.sub(r"\nFileNames\n.*?\n\n(?=%|ENTRY)", "\n", text, flags=re.S)
-  text = re.sub(r", metadata=\{[^}]*\}", "", text)
-  return text
+_compiled = compiled_hlo
+_normalized = normalized_hlo
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -82,9 +66,7 @@ def test_flag_off_compiles_to_plain_dot_general(case, keys):
   off = _compiled(mesh, plugin, x, w, enabled=False, impl="ring")
   reference = _compiled(mesh, plain, x, w)
   assert not cm.decisions()
-  diff = "\n".join(difflib.unified_diff(
-      _normalized(reference).splitlines(), _normalized(off).splitlines(),
-      "lax.dot_general", "cm.dot_general (off)", lineterm=""))
+  diff = hlo_diff(reference, off, ("lax.dot_general", "cm.dot_general (off)"))
   assert not diff, diff
   # Normalization is honest: the raw texts differ only in what it drops,
   # and a rewritten program stays different after it.

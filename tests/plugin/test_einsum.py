@@ -1,6 +1,5 @@
 """cm.einsum: jnp.einsum's contract, with the collective matmul inside
 (Explicit meshes: the operands' types carry the sharding)."""
-import difflib
 import re
 
 from flax import nnx
@@ -13,6 +12,7 @@ import pytest
 import collective_matmul as cm
 from plugin_test_utils import TOLERANCE, assert_close, mesh_1d, mesh_2d
 from plugin_test_utils import normal, put
+from plugin_test_utils import compiled_hlo, hlo_diff, normalized_hlo
 
 # name: (mesh, equation, x shape, x spec, w shape, w spec, out_sharding,
 #        pattern, numpy equation for the reference (no ellipsis)).
@@ -221,17 +221,8 @@ def test_jnp_einsum_errors_are_raised_unchanged():
 # ------------------------------------------------------------ compiled HLO
 
 
-def _normalized(text):
-  """Compiled HLO without caller names and debug info (as in
-  test_compiled_hlo): module name, source tables, metadata."""
-  text = re.sub(r"^HloModule \S+,", "HloModule M,", text, flags=re.M)
-  text = re.sub(r"\nFileNames\n.*?\n\n(?=%|ENTRY)", "\n", text, flags=re.S)
-  return re.sub(r", metadata=\{[^}]*\}", "", text)
-
-
-def _compiled(mesh, f, x, w, **config):
-  with jax.set_mesh(mesh), cm.config_context(**config):
-    return jax.jit(f).lower(x, w).compile().as_text()
+_compiled = compiled_hlo
+_normalized = normalized_hlo
 
 
 @pytest.mark.parametrize("case", ["linear_ellipsis", "out_proj_gather",
@@ -286,9 +277,7 @@ def test_plugin_off_is_jnp_einsum_program(case, keys):
   off = _compiled(mesh, plugin, x, w, enabled=False, impl="ring")
   reference = _compiled(mesh, plain, x, w)
   assert not cm.decisions()
-  diff = "\n".join(difflib.unified_diff(
-      _normalized(reference).splitlines(), _normalized(off).splitlines(),
-      "jnp.einsum", "cm.einsum (off)", lineterm=""))
+  diff = hlo_diff(reference, off, ("jnp.einsum", "cm.einsum (off)"))
   assert not diff, diff
   # A new function object (jit's cache does not key on the configuration):
   # the same call with the plugin on is a different program.
