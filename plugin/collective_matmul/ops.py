@@ -15,8 +15,10 @@ gathered again (time).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 from jax import lax
@@ -227,99 +229,95 @@ def _times_weight_transposed(dy, w):
   return dy.astype(dtype), w.T.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
-def _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
-                       precision, preferred_element_type, kernel_config,
-                       save_gathered=True, bwd_impl=None):
-  del save_gathered, bwd_impl  # Only matter to the backward.
-  return _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
-                                 bidirectional, precision,
-                                 preferred_element_type, kernel_config)
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything of one op call but its operands: the one non-differentiable
+  (hashable) argument of the custom_vjp functions.
+
+  `axis` is the gathered (all-gather) or scattered (reduce-scatter)
+  dimension of `x`; the other fields are the public ops' arguments.
+  """
+
+  axis_name: Any
+  axis: int
+  impl: str
+  bidirectional: bool
+  precision: Any
+  preferred_element_type: Any
+  kernel_config: Any
+  save_gathered: bool
+  backward_impl: str | None
+
+  def forward_args(self):
+    """The `_*_impl` functions' arguments after the operands."""
+    return (self.axis_name, self.axis, self.impl, self.bidirectional,
+            self.precision, self.preferred_element_type, self.kernel_config)
+
+  def backward(self, collective: str, dtype) -> str:
+    """The backward's implementation of `collective` on `dtype`."""
+    return backward_impl(self.backward_impl or self.impl, collective, dtype)
 
 
-def _all_gather_matmul_fwd(x, w, axis_name, gather_axis, impl, bidirectional,
-                           precision, preferred_element_type, kernel_config,
-                           save_gathered=True, bwd_impl=None):
-  del bwd_impl
-  if save_gathered:
-    out, gathered = _all_gather_matmul_impl(
-        x, w, axis_name, gather_axis, impl, bidirectional, precision,
-        preferred_element_type, kernel_config, return_gathered=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_gather_matmul(x, w, static: _Static):
+  return _all_gather_matmul_impl(x, w, *static.forward_args())
+
+
+def _all_gather_matmul_fwd(x, w, static: _Static):
+  if static.save_gathered:
+    out, gathered = _all_gather_matmul_impl(x, w, *static.forward_args(),
+                                            return_gathered=True)
     return out, (gathered, w)
-  out = _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl,
-                                bidirectional, precision,
-                                preferred_element_type, kernel_config)
-  return out, (x, w)
+  return _all_gather_matmul_impl(x, w, *static.forward_args()), (x, w)
 
 
-def _all_gather_matmul_bwd(axis_name, gather_axis, impl, bidirectional,
-                           precision, preferred_element_type, kernel_config,
-                           save_gathered, bwd_impl, residuals, dy):
+def _all_gather_matmul_bwd(static: _Static, residuals, dy):
   # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T), the other
   # collective matmul, and dw = all_gather(x).T @ dy, from the gathered
-  # activation the forward saved or after gathering it again.
-  del preferred_element_type, kernel_config  # Tuned for the forward's shape.
+  # activation the forward saved or after gathering it again. The kernel
+  # config was tuned for the forward's shape: the backward picks its own.
   x_or_gathered, w = residuals
   x_dtype = x_or_gathered.dtype
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx = _matmul_reduce_scatter_impl(
-      dy_b, w_t, axis_name, gather_axis,
-      backward_impl(bwd_impl or impl, "reduce_scatter", dy_b.dtype),
-      bidirectional, precision, x_dtype, None)
-  gathered = x_or_gathered if save_gathered else lax.all_gather(
-      x_or_gathered, axis_name, axis=gather_axis, tiled=True)
-  dw = _contract_leading(gathered, dy, precision).astype(w.dtype)
+      dy_b, w_t, static.axis_name, static.axis,
+      static.backward("reduce_scatter", dy_b.dtype), static.bidirectional,
+      static.precision, x_dtype, None)
+  gathered = x_or_gathered if static.save_gathered else lax.all_gather(
+      x_or_gathered, static.axis_name, axis=static.axis, tiled=True)
+  dw = _contract_leading(gathered, dy, static.precision).astype(w.dtype)
   return dx.astype(x_dtype), dw
 
 
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
-def _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, bidirectional,
-                           precision, preferred_element_type, kernel_config,
-                           save_gathered, bwd_impl=None):
-  del save_gathered, bwd_impl  # Only matter to the backward.
-  return _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
-                                     bidirectional, precision,
-                                     preferred_element_type, kernel_config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_reduce_scatter(x, w, static: _Static):
+  return _matmul_reduce_scatter_impl(x, w, *static.forward_args())
 
 
-def _matmul_reduce_scatter_fwd(x, w, axis_name, scatter_axis, impl,
-                               bidirectional, precision,
-                               preferred_element_type, kernel_config,
-                               save_gathered, bwd_impl=None):
-  del bwd_impl
-  out = _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
-                                    bidirectional, precision,
-                                    preferred_element_type, kernel_config)
-  return out, (x, w)
+def _matmul_reduce_scatter_fwd(x, w, static: _Static):
+  return _matmul_reduce_scatter_impl(x, w, *static.forward_args()), (x, w)
 
 
-def _matmul_reduce_scatter_bwd(axis_name, scatter_axis, impl, bidirectional,
-                               precision, preferred_element_type,
-                               kernel_config, save_gathered, bwd_impl,
-                               residuals, dy):
+def _matmul_reduce_scatter_bwd(static: _Static, residuals, dy):
   # y = reduce_scatter(x @ w), so dx = all_gather(dy) @ w.T, the all-gather
   # collective matmul, and dw = x.T @ all_gather(dy), from the gathered dy
   # that one assembled or after a second all-gather.
-  del preferred_element_type, kernel_config  # Tuned for the forward's shape.
   x, w = residuals
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx_and_maybe_gathered = _all_gather_matmul_impl(
-      dy_b, w_t, axis_name, scatter_axis,
-      backward_impl(bwd_impl or impl, "all_gather", dy_b.dtype),
-      bidirectional,
-      precision, x.dtype, None, return_gathered=save_gathered)
-  if save_gathered:
+      dy_b, w_t, static.axis_name, static.axis,
+      static.backward("all_gather", dy_b.dtype), static.bidirectional,
+      static.precision, x.dtype, None, return_gathered=static.save_gathered)
+  if static.save_gathered:
     dx, gathered_dy = dx_and_maybe_gathered
   else:
     dx = dx_and_maybe_gathered
-    gathered_dy = lax.all_gather(dy_b, axis_name, axis=scatter_axis,
+    gathered_dy = lax.all_gather(dy_b, static.axis_name, axis=static.axis,
                                  tiled=True)
-  dw = _contract_leading(x, gathered_dy, precision).astype(w.dtype)
+  dw = _contract_leading(x, gathered_dy, static.precision).astype(w.dtype)
   return dx.astype(x.dtype), dw
 
 
@@ -365,9 +363,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   """
   _check_operands(x, w, gather_axis, "gather_axis", impl, ALL_GATHER_IMPLS)
   _check_backward_impl(backward_impl)
-  return _all_gather_matmul(x, w, axis_name, gather_axis, impl, bidirectional,
-                            precision, preferred_element_type, kernel_config,
-                            save_gathered, backward_impl)
+  return _all_gather_matmul(x, w, _Static(
+      axis_name, gather_axis, impl, bidirectional, precision,
+      preferred_element_type, kernel_config, save_gathered, backward_impl))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
@@ -416,7 +414,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
   _check_operands(x, w, scatter_axis, "scatter_axis", impl,
                   REDUCE_SCATTER_IMPLS)
   _check_backward_impl(backward_impl)
-  return _matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl,
-                                bidirectional, precision,
-                                preferred_element_type, kernel_config,
-                                save_gathered, backward_impl)
+  return _matmul_reduce_scatter(x, w, _Static(
+      axis_name, scatter_axis, impl, bidirectional, precision,
+      preferred_element_type, kernel_config, save_gathered, backward_impl))
