@@ -67,10 +67,11 @@ def _demo(base_args: list[str]) -> int:
   args = [*base_args, f"base_output_directory={output_dir}", "run_name=demo"]
   config = config_lib.load_config(args, num_devices=jax.device_count())
   collective_config = dataclasses.replace(cm.get_config(), enabled=True)
+  mesh_text = " x ".join(f"{axis}={size}" for axis, size in
+                         config.mesh_axis_sizes.items() if size > 1)
   _log(f"demo: tiny llama on {jax.device_count()} {jax.devices()[0].platform}"
-       f" devices, mesh data={config.data_parallelism} x tensor="
-       f"{config.tensor_parallelism} (sequence parallel), "
-       f"{config.steps} steps, collective matmul on vs off")
+       f" devices, mesh {mesh_text} (sequence parallel), {config.steps} "
+       "steps, collective matmul on vs off")
   collective_trainer = trainer_lib.Trainer(config, collective_config)
   checkpointer = checkpoint_lib.Checkpointer(collective_trainer.config,
                                              log=_log)
