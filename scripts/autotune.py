@@ -11,7 +11,10 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+import collective_matmul as cm
 from collective_matmul import autotuning
+
+cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
 
 
 def main():

@@ -36,7 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import collective_matmul as cm
 from collective_matmul.autotuning import kernel_time_us
+
+cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
 
 SHAPES = ["1024/4096/4096:bf16", "1024/4096/4096:f16", "2048/4096/4096:bf16",
           "4096/8192/7168:bf16", "8192/8192/14336:bf16",

@@ -16,6 +16,8 @@ import numpy as np
 
 import collective_matmul as cm
 
+cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
+
 D = jax.device_count()
 mesh = jax.make_mesh((D,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 B, S, E, F, H = 4, 4096, 4096, 11008, 4096  # global: llama2-7b dims

@@ -48,17 +48,20 @@ def _check_operands(x, w, axis, axis_arg, impl, impls):
     if reason is not None:
       raise ValueError(
           "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
-          f"bf16 or f16 operands; here: {reason}. Use impl='ring' (any "
-          "backend) or 'baseline'.")
+          f"bf16 or f16 operands with XLA's command buffers off; here: "
+          f"{reason}. Use impl='ring' (any backend) or 'baseline'.")
 
 
 def _pallas_unavailable_reason(x, w) -> str | None:
-  """Why this machine and these operands cannot run the Hopper kernels."""
+  """Why this machine, its XLA settings and these operands cannot run the
+  Hopper kernels (the same rules the drop-in dot_general falls back on)."""
   from collective_matmul.kernels import tuning  # pylint: disable=g-import-not-at-top
+  platform = jax.default_backend()
   return tuning.unsupported_reason(
-      platform=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
+      platform=platform, device_kind=jax.devices()[0].device_kind,
       dtype=x.dtype, m=max(1, x.size // max(1, x.shape[-1])),
-      k=max(1, x.shape[-1]), n=max(1, w.shape[-1]), axis_size=1)
+      k=max(1, x.shape[-1]), n=max(1, w.shape[-1]),
+      axis_size=1) or tuning.command_buffer_reason(platform)
 
 
 def _rows_layout(x, axis, config_for):

@@ -85,3 +85,21 @@ def test_pallas_says_what_hardware_and_dtype_it_needs(op, in_specs, dtype):
                      mesh=mesh, in_specs=in_specs, out_specs=P("x", None))
   with pytest.raises(ValueError, match="impl='pallas'.*Hopper"):
     jax.jit(fn)(x, w)
+
+
+def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
+  """The kernels give wrong results under CUDA-graph replay
+  (benchmarks/maxtext/): an explicit impl='pallas' says so, on a machine
+  that otherwise could run it."""
+  from collective_matmul import ops
+  from collective_matmul.kernels import tuning
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(tuning, "unsupported_reason", lambda **_: None)
+  x, w = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256),
+                                                         jnp.bfloat16)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  with pytest.raises(ValueError, match="command buffers.*"
+                     "--xla_gpu_enable_command_buffer="):
+    cm.all_gather_matmul(x, w, "x", impl="pallas")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert ops._pallas_unavailable_reason(x, w) is None  # pylint: disable=protected-access
