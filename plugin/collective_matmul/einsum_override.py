@@ -134,12 +134,11 @@ def _einsum(subscripts, operands, *, out, optimize, precision,
   def left_to_jnp(label, arrays, reason):
     result = via_jnp()  # jnp.einsum's result, or its error.
     shapes = [tuple(np.shape(a)) for a in arrays]
-    override._record(override.Decision(  # pylint: disable=protected-access
-        name=label, rewritten=False, impl=None,
-        reason=f"jnp.einsum as is: {reason}",
+    override.record_not_served(
+        label, f"jnp.einsum as is: {reason}",
         lhs_shape=shapes[0] if shapes else (),
         rhs_shape=shapes[1] if len(shapes) > 1 else (),
-        dtype=str(result.dtype), mode=mode), cfg.strict, fallback=False)
+        dtype=result.dtype, mode=mode)
     return result
 
   operands = tuple(_without_jax_array_protocol(op) for op in operands)

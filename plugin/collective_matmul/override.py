@@ -115,14 +115,15 @@ def _record(decision: Decision, strict: bool, fallback: bool) -> None:
     logging.vlog(1, "collective matmul: %s", decision)
 
 
-def record_not_served(name: str | None, lhs, rhs, reason: str) -> None:
-  """Records that a framework adapter left a projection on the framework's
-  own path (quantized, fp8, unknown layer, ...), so the decision record
-  accounts for every projection, not only those that reached the plugin."""
+def record_not_served(name: str | None, reason: str, *, lhs_shape=(),
+                      rhs_shape=(), dtype, mode: str | None = None) -> None:
+  """Records a matmul an entry point above `dot_general` left on its own
+  path (an einsum that is not one contraction; a framework projection that
+  is quantized, fp8, unknown, ...), so the decision record accounts for
+  every matmul, not only those that reached the matcher."""
   _record(Decision(name=name, rewritten=False, impl=None, reason=reason,
-                   lhs_shape=tuple(jnp.shape(lhs)),
-                   rhs_shape=tuple(jnp.shape(rhs)),
-                   dtype=str(jnp.result_type(lhs))), strict=False,
+                   lhs_shape=tuple(lhs_shape), rhs_shape=tuple(rhs_shape),
+                   dtype=str(dtype), mode=mode), strict=False,
           fallback=False)
 
 

@@ -244,8 +244,9 @@ def _make_dot_general_nnx(original):
         stack, inputs, kernel, quant_dot_general, kernel_scale,
         native_fp8_compute)
     if reason is not None:
-      override.record_not_served(name, inputs, kernel,
-                                 f"left to MaxText: {reason}")
+      override.record_not_served(
+          name, f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
+          rhs_shape=jnp.shape(kernel), dtype=jnp.result_type(inputs))
       return maxtext_path()
     dot_general = override.logical_dot_general(
         projection.activation_axes, projection.kernel_axes,
