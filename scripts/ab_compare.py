@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 
 import script_setup  # pylint: disable=g-bad-import-order
 
@@ -43,6 +45,12 @@ _TOLERANCE = flags.DEFINE_float(
     "relative_loss_tolerance", None,
     "Largest per-step |loss diff| / |baseline loss| that passes; default by "
     "dtype.")
+_PROFILE_STEPS = flags.DEFINE_integer(
+    "profile_steps", 0,
+    "After the timed steps, run this many more per arm under the JAX "
+    "profiler and report where each arm's GPU time goes (matmuls, collective "
+    "matmul kernels, NCCL and how much of it no compute overlaps, ...). GPU "
+    "only; the traces go to <output_dir>/traces/.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() first.")
 
@@ -61,14 +69,25 @@ def main(argv: list[str]) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  if _PROFILE_STEPS.value and jax.default_backend() != "gpu":
+    print(f"--profile_steps breaks down GPU kernel time; this run's backend "
+          f"is {jax.default_backend()!r}", file=sys.stderr)
+    return 2
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+  profile_dir = (tempfile.mkdtemp(prefix="profile-", dir=_mkdirs(
+      os.path.join(config.base_output_directory, "ab")))
+                 if _PROFILE_STEPS.value else None)
   result = ab_lib.run_ab(config, cm.config_from_flags(),
                          relative_tolerance=_TOLERANCE.value,
-                         log=print if jax.process_index() == 0 else None)
+                         log=print if jax.process_index() == 0 else None,
+                         profile_steps=_PROFILE_STEPS.value,
+                         profile_dir=profile_dir)
   if jax.process_index() == 0:
     output_dir = _OUTPUT_DIR.value or _fresh_dir(os.path.join(
         config.base_output_directory, "ab",
         _TAG.value or ab_lib.default_tag(result)))
+    if profile_dir:
+      _move_traces(result, profile_dir, os.path.join(output_dir, "traces"))
     paths = ab_lib.write_report(result, output_dir, command=command)
     print(ab_lib.summary(result))
     print("wrote " + ", ".join(paths.values()))
@@ -81,6 +100,20 @@ def main(argv: list[str]) -> int:
           "was left: see report.md.", file=sys.stderr)
     return 3
   return 0 if result.losses_match else 1
+
+
+def _mkdirs(path: str) -> str:
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def _move_traces(result, profile_dir: str, traces_dir: str) -> None:
+  """Moves the arms' profiler dirs under the report's `traces/`."""
+  os.makedirs(os.path.dirname(traces_dir), exist_ok=True)
+  shutil.move(profile_dir, traces_dir)
+  result.profile["traces"] = {
+      arm: os.path.join(traces_dir, os.path.relpath(path, profile_dir))
+      for arm, path in result.profile["traces"].items()}
 
 
 def _fresh_dir(path: str) -> str:

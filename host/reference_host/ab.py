@@ -18,6 +18,7 @@ import jax
 import collective_matmul as cm
 
 from reference_host import config as config_lib
+from reference_host import profile as profile_lib
 from reference_host import trainer as trainer_lib
 
 # Largest per-step |loss difference| / |baseline loss| that still counts as
@@ -39,6 +40,10 @@ class ABResult:
   relative_tolerance: float
   mesh_shape: dict[str, int]
   device_kind: str
+  # With profiling: {"baseline"/"collective": profile.Breakdown,
+  # "comparison": profile.Comparison, "collectives": {arm: [...]},
+  # "traces": {arm: path}}.
+  profile: dict | None = None
 
   @property
   def loss_diffs(self) -> list[float]:
@@ -78,8 +83,15 @@ def run_ab(config: config_lib.Config,
            collective_config: cm.CollectiveMatmulConfig,
            num_steps: int | None = None, *, devices=None,
            relative_tolerance: float | None = None,
-           log: Callable[[str], None] | None = print) -> ABResult:
-  """Trains both arms for `num_steps` (default: config.steps) steps."""
+           log: Callable[[str], None] | None = print,
+           profile_steps: int = 0,
+           profile_dir: str | None = None) -> ABResult:
+  """Trains both arms for `num_steps` (default: config.steps) steps.
+
+  With `profile_steps`, each arm then runs that many more steps under the
+  JAX profiler (traces under `profile_dir/<arm>/`), and the result carries
+  each arm's GPU time breakdown and their comparison (`profile.py`).
+  """
   collective_config = dataclasses.replace(collective_config, enabled=True)
   baseline_config = dataclasses.replace(collective_config, enabled=False)
   baseline = trainer_lib.Trainer(config, baseline_config, devices=devices)
@@ -105,6 +117,15 @@ def run_ab(config: config_lib.Config,
       log(f"step {step:5d} | loss baseline {b.loss:.6f} collective "
           f"{c.loss:.6f} (diff {c.loss - b.loss:+.2e}) | step time "
           f"{1e3 * b.step_time_s:.1f} / {1e3 * c.step_time_s:.1f} ms")
+  profile = None
+  if profile_steps:
+    if profile_dir is None:
+      raise ValueError("profile_steps needs a profile_dir")
+    profile = _profile_arms(
+        {"baseline": (baseline, baseline_state),
+         "collective": (collective, collective_state)},
+        first_step=steps, num_steps=profile_steps, profile_dir=profile_dir,
+        log=log)
   if relative_tolerance is None:
     relative_tolerance = DEFAULT_RELATIVE_LOSS_TOLERANCE[config.dtype]
   return ABResult(
@@ -115,7 +136,31 @@ def run_ab(config: config_lib.Config,
       collective_compile_s=collective.compile_time_s,
       relative_tolerance=relative_tolerance,
       mesh_shape=dict(baseline.mesh.shape),
-      device_kind=baseline.mesh.devices.flat[0].device_kind)
+      device_kind=baseline.mesh.devices.flat[0].device_kind,
+      profile=profile)
+
+
+def _profile_arms(arms: dict, *, first_step: int, num_steps: int,
+                  profile_dir: str, log) -> dict:
+  """Profiles `num_steps` steps of each arm (after its timed steps)."""
+  out = {"traces": {}, "collectives": {}}
+  for name, (trainer, state) in arms.items():
+    def run_steps(trainer=trainer, state=state):
+      for step in range(first_step, first_step + num_steps):
+        state, _ = trainer.run_step(state, step)
+      jax.block_until_ready(state)
+    trace = profile_lib.record(run_steps, os.path.join(profile_dir, name))
+    out["traces"][name] = trace
+    out[name] = profile_lib.breakdown(profile_lib.load_events(trace),
+                                      steps=num_steps)
+    out["collectives"][name] = profile_lib.collectives_in_hlo(
+        trainer.compile().as_text())
+    if log:
+      log("\n".join(profile_lib.format_breakdown(name, out[name])))
+  out["comparison"] = profile_lib.compare(out["baseline"], out["collective"])
+  if log:
+    log(out["comparison"].sentence())
+  return out
 
 
 def _sharding_axes(mesh_shape: dict[str, int]) -> dict[str, int]:
@@ -146,7 +191,7 @@ def _summary_lines(result: ABResult) -> list[str]:
       f"(min {1e3 * c['min_s']:.2f}, max {1e3 * c['max_s']:.2f}, stdev "
       f"{1e3 * c['stdev_s']:.2f}); ratio collective/baseline "
       f"{result.step_time_ratio:.3f} (first step left out)",
-  ]
+  ] + ([result.profile["comparison"].sentence()] if result.profile else [])
 
 
 def summary(result: ABResult) -> str:
@@ -172,12 +217,92 @@ def to_json(result: ABResult, command: str | None) -> dict:
       "max_relative_loss_diff": result.max_relative_loss_diff,
       "relative_tolerance": result.relative_tolerance,
       "losses_match": result.losses_match,
+      "profile": _profile_json(result.profile),
       "decisions": [
           {"name": d.name, "rewritten": d.rewritten, "impl": d.impl,
            "reason": d.reason, "lhs_shape": list(d.lhs_shape),
            "rhs_shape": list(d.rhs_shape), "dtype": str(d.dtype),
            "axis": d.axis} for d in result.decisions],
   }
+
+
+def _profile_json(profile: dict | None) -> dict | None:
+  if not profile:
+    return None
+  return {"baseline": profile["baseline"].to_json(),
+          "collective": profile["collective"].to_json(),
+          "comparison": profile["comparison"].to_json(),
+          "collectives": profile["collectives"],
+          "traces": profile["traces"]}
+
+
+def _profile_markdown(profile: dict) -> list[str]:
+  b, c = profile["baseline"], profile["collective"]
+  rows = [("busy", b.busy_ms, c.busy_ms)] + [
+      (label, b.class_ms[cls], c.class_ms[cls]) for cls, label in (
+          ("matmul", "matmul (cuBLAS/XLA)"),
+          ("collective_matmul", "collective matmul kernels"),
+          ("barrier", "pre-kernel barrier"),
+          ("compute", "other compute"), ("memcpy", "memcpy/memset"),
+          ("nccl", "NCCL"))] + [
+      ("NCCL not overlapped by compute", b.nccl_exposed_ms,
+       c.nccl_exposed_ms)]
+  lines = [
+      "## Where the GPU time goes",
+      "",
+      f"Kernel time per step on {b.device}, {b.steps} profiled steps per arm "
+      "(JAX profiler; traces: "
+      + ", ".join(f"`{p}`" for p in profile["traces"].values()) + ").",
+      "",
+      "| ms per step | baseline | collective | difference |",
+      "|---|---:|---:|---:|",
+      *[f"| {label} | {bv:.2f} | {cv:.2f} | {cv - bv:+.2f} |"
+        for label, bv, cv in rows],
+      "",
+      profile["comparison"].sentence(),
+      "",
+      "Collectives the collective arm still runs (compiled HLO, per device):",
+      "",
+  ]
+  lines += _projection_markdown(b, c)
+  ops = {o["op"]: o for o in c.nccl_ops}
+  left = profile["collectives"]["collective"]
+  if not left:
+    lines.append("- none")
+  for item in left:
+    lines.append(f"- `{item['name']}` {item['op']} {item['shape']} "
+                 f"({item['bytes'] / 2**20:.1f} MiB)")
+  if ops:
+    lines += ["", "NCCL kernels in the collective arm's trace (per step):",
+              ""]
+    lines += [f"- `{o['op']}` ({o['scope'] or 'no scope'}): "
+              f"{o['ms_per_step']:.3f} ms, {o['count_per_step']:g} launches"
+              for o in c.nccl_ops if o["ms_per_step"] >= 0.01]
+  return lines + [""]
+
+
+def _projection_markdown(b, c) -> list[str]:
+  """Per projection and pass: what the baseline spends (GEMMs + NCCL)
+  against the collective arm (its kernels, barriers, remaining GEMMs and
+  NCCL), from the ops' name scopes."""
+  names = sorted(set(b.projections) | set(c.projections))
+  if not names:
+    return []
+  lines = ["", "Per projection (ms per step, from each op's name scope; a "
+           "GEMM XLA fused under another name is not counted):", "",
+           "| projection | baseline GEMM | baseline NCCL | collective kernels "
+           "+ barriers | collective GEMM | collective NCCL | difference |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for name in names:
+    bp, cp = b.projections.get(name, {}), c.projections.get(name, {})
+    base = bp.get("matmul", 0.0) + bp.get("nccl", 0.0)
+    kernels = cp.get("collective_matmul", 0.0) + cp.get("barrier", 0.0)
+    coll = kernels + cp.get("matmul", 0.0) + cp.get("nccl", 0.0)
+    lines.append(
+        f"| {name} | {bp.get('matmul', 0.0):.3f} | {bp.get('nccl', 0.0):.3f}"
+        f" | {kernels:.3f} | {cp.get('matmul', 0.0):.3f} | "
+        f"{cp.get('nccl', 0.0):.3f} | {coll - base:+.3f} |")
+  return lines + [""]
 
 
 def _markdown(result: ABResult, command: str | None, png_name: str | None
@@ -215,6 +340,8 @@ def _markdown(result: ABResult, command: str | None, png_name: str | None
   ]
   if png_name:
     lines += [f"![loss and step time]({png_name})", ""]
+  if result.profile:
+    lines += _profile_markdown(result.profile)
   lines += [
       "## Per step",
       "",

@@ -1,0 +1,189 @@
+"""The step-time breakdown reads real GPU traces and does its interval
+arithmetic right."""
+import dataclasses
+import gzip
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+import pytest
+
+from reference_host import ab as ab_lib
+from reference_host import profile as profile_lib
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TRACE = os.path.join(DATA, "trace_llama2_2layers_ts2_{}.json.gz")
+STEPS = 3  # profiled steps in each recorded trace
+
+
+def _breakdown(arm):
+  return profile_lib.breakdown(profile_lib.load_events(TRACE.format(arm)),
+                               steps=STEPS)
+
+
+def _event(name, start, duration, device="/device:GPU:0", scope=""):
+  return profile_lib.KernelEvent(name=name, start_us=start,
+                                 duration_us=duration, device=device,
+                                 stream="Stream #1(Compute)", scope=scope)
+
+
+def test_loads_only_gpu_stream_events_of_both_devices():
+  events = profile_lib.load_events(TRACE.format("collective"))
+  assert {e.device for e in events} == {"/device:GPU:0", "/device:GPU:1"}
+  assert all(e.stream.startswith("Stream #") for e in events)
+  assert all(e.duration_us >= 0 for e in events)
+
+
+@pytest.mark.parametrize("name, hlo_op, expected", [
+    ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT", "custom-call.4", "matmul"),
+    ("gemm_fusion_dot_169", "gemm_fusion_dot.169", "matmul"),
+    ("anonymous_mosaic_gpu_kernel", "mpmd_map.272", "collective_matmul"),
+    ("stream_executor::gpu::MultiGpuBarrierWithNcclKernelImpl(long, long, "
+     "ncclWindow_vidmem*, unsigned int*)", "mpmd_map.272", "barrier"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+     "all-gather.1.1", "nccl"),
+    ("loop_select_fusion_1", "loop_select_fusion.1", "compute"),
+    ("input_reduce_fusion_13", "input_reduce_fusion.13", "compute"),
+    ("memcpy32_post", "", "memcpy"),
+])
+def test_classifies_the_kernels_seen_on_h200(name, hlo_op, expected):
+  event = dataclasses.replace(_event(name, 0, 1), hlo_op=hlo_op)
+  assert profile_lib.classify(event) == expected
+
+
+def test_exposed_nccl_is_the_part_no_compute_kernel_overlaps():
+  # NCCL [0, 10) and [20, 30); compute [5, 12) and [22, 25) on another
+  # stream; a barrier [10, 20) does not hide anything.
+  events = [_event("ncclDevKernel_AllGather", 0, 10),
+            _event("ncclDevKernel_ReduceScatter", 20, 10),
+            _event("nvjet_sm90_gemm", 5, 7),
+            _event("loop_fusion", 22, 3),
+            _event("MultiGpuBarrierWithNcclKernelImpl", 10, 10)]
+  b = profile_lib.breakdown(events, steps=1)
+  assert b.nccl_exposed_ms == pytest.approx((5 + 7) * 1e-3)
+  assert b.class_ms["nccl"] == pytest.approx(20e-3)
+  assert b.class_ms["barrier"] == pytest.approx(10e-3)
+  assert b.busy_ms == pytest.approx(30e-3)
+
+
+def test_per_step_figures_divide_by_the_profiled_steps():
+  events = [_event("nvjet_gemm", 0, 4000), _event("nvjet_gemm", 10000, 2000)]
+  assert profile_lib.breakdown(events, steps=2).class_ms["matmul"] == (
+      pytest.approx(3.0))
+
+
+def test_other_devices_events_are_not_counted():
+  events = [_event("nvjet_gemm", 0, 1000),
+            _event("nvjet_gemm", 0, 5000, device="/device:GPU:1")]
+  assert profile_lib.breakdown(events, 1).class_ms["matmul"] == (
+      pytest.approx(1.0))
+  assert profile_lib.breakdown(events, 1, device="/device:GPU:1").class_ms[
+      "matmul"] == pytest.approx(5.0)
+
+
+def test_recorded_baseline_exposes_nccl_and_runs_no_collective_kernel():
+  b = _breakdown("baseline")
+  assert b.class_ms["collective_matmul"] == 0 and b.class_ms["barrier"] == 0
+  assert 0 < b.nccl_exposed_ms <= b.class_ms["nccl"]
+  # The GEMMs are most of a step of this model (2 layers, seq 4096).
+  assert b.class_ms["matmul"] > 0.4 * b.busy_ms
+  assert b.busy_ms <= sum(b.class_ms.values()) + 1e-9
+
+
+def test_recorded_collective_arm_hides_most_exposed_nccl():
+  base, coll = _breakdown("baseline"), _breakdown("collective")
+  assert coll.class_ms["collective_matmul"] > 10  # 30 kernels per step
+  assert coll.nccl_exposed_ms < 0.5 * base.nccl_exposed_ms
+  comparison = profile_lib.compare(base, coll)
+  assert comparison.hidden_ms == pytest.approx(
+      base.nccl_exposed_ms - coll.nccl_exposed_ms)
+  assert comparison.replaced_gemm_ms == pytest.approx(
+      base.class_ms["matmul"] - coll.class_ms["matmul"])
+  sentence = comparison.sentence()
+  assert f"baseline exposes {base.nccl_exposed_ms:.2f} ms" in sentence
+  assert f"hides {comparison.hidden_ms:.2f} ms" in sentence
+
+
+def test_projection_attribution_splits_forward_and_backward():
+  coll = _breakdown("collective")
+  for name in ("query", "key", "value", "out", "wi_0", "wi_1", "wo",
+               "logits_dense"):
+    for direction in ("forward", "backward"):
+      assert coll.projections[f"{name} {direction}"][
+          "collective_matmul"] > 0, (name, direction)
+  assert profile_lib.projection_of(
+      "jit(f)/transpose(jvp(Transformer))/layers_1/mlp/wi_0/shard_map/x") == (
+          "wi_0 backward")
+  assert profile_lib.projection_of(
+      "jit(f)/jvp(Transformer)/layers_0/self_attention/query/dot_general") == (
+          "query forward")
+  assert profile_lib.projection_of("jit(f)/jvp(Transformer)/rope/mul") == ""
+
+
+def test_device_trace_copy_gives_the_same_breakdown(tmp_path):
+  copy = str(tmp_path / "copy.json.gz")
+  profile_lib.write_device_trace(TRACE.format("collective"), copy)
+  again = profile_lib.breakdown(profile_lib.load_events(copy), STEPS)
+  assert again == _breakdown("collective")
+
+
+def test_no_gpu_events_is_an_error(tmp_path):
+  path = tmp_path / "cpu.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1,
+         "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5, "name": "x"}]}, f)
+  with pytest.raises(ValueError, match="no GPU stream events"):
+    profile_lib.breakdown(profile_lib.load_events(str(path)), 1)
+
+
+def test_lists_the_collectives_a_compiled_program_runs():
+  mesh = jax.make_mesh((4,), ("x",))
+  gathered = jax.jit(
+      lambda a, b: a @ b,
+      in_shardings=(NamedSharding(mesh, PartitionSpec("x", None)),
+                    NamedSharding(mesh, PartitionSpec(None, "x"))),
+      out_shardings=NamedSharding(mesh, PartitionSpec()))
+  text = gathered.lower(jnp.ones((64, 32), jnp.float32),
+                        jnp.ones((32, 64), jnp.float32)).compile().as_text()
+  found = profile_lib.collectives_in_hlo(text)
+  assert found and all(c["op"].startswith("all-gather") for c in found)
+  assert max(c["bytes"] for c in found) == 64 * 64 * 4
+  local = jax.jit(lambda a: a * 2).lower(jnp.ones(4)).compile().as_text()
+  assert profile_lib.collectives_in_hlo(local) == []
+
+
+def test_report_has_the_breakdown_table_and_the_sentence(tmp_path):
+  base, coll = _breakdown("baseline"), _breakdown("collective")
+  profile = {"baseline": base, "collective": coll,
+             "comparison": profile_lib.compare(base, coll),
+             "collectives": {"baseline": [], "collective": [
+                 {"name": "all-gather.1", "op": "all-gather",
+                  "shape": "bf16[4,4096,4096]", "bytes": 2**27,
+                  "scope": "x"}]},
+             "traces": {"baseline": "b.json.gz", "collective": "c.json.gz"}}
+  lines = ab_lib._profile_markdown(profile)  # pylint: disable=protected-access
+  text = "\n".join(lines)
+  assert "| NCCL not overlapped by compute |" in text
+  assert profile["comparison"].sentence() in text
+  assert "| wi_0 forward |" in text
+  assert "`all-gather.1` all-gather bf16[4,4096,4096] (128.0 MiB)" in text
+  as_json = ab_lib._profile_json(profile)  # pylint: disable=protected-access
+  json.dumps(as_json)
+  assert as_json["comparison"]["hidden_ms"] == pytest.approx(
+      profile["comparison"].hidden_ms)
+
+
+def test_ab_compare_refuses_to_profile_without_a_gpu():
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(repo, "scripts", "ab_compare.py"),
+       os.path.join(repo, "model_configs", "base.yml"), "model_name=tiny",
+       "--profile_steps=1"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "--profile_steps breaks down GPU kernel time" in proc.stderr
