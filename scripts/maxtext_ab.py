@@ -15,6 +15,7 @@ more than the tolerance.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ ARMS = {
                      "--xla_gpu_multi_streamed_windowed_einsum=true"),
 }
 WARMUP_STEPS = 2  # Compile and first-touch: not in the median.
+PROFILE_AFTER = WARMUP_STEPS + 1  # With --profile_steps: the first profiled.
 LOSS_RTOL = {"bfloat16": 2e-2, "float32": 1e-4}
 
 
@@ -52,8 +54,8 @@ def parse_arm(spec: str) -> tuple[str, tuple[str, ...], str]:
   return name, tuple(a for a in args if not a.startswith("--xla_")), xla
 
 
-def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int
-            ) -> dict:
+def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int,
+            profile_steps: int = 0) -> dict:
   arm, flags, xla_flags = parse_arm(spec)
   metrics = os.path.join(out, f"{arm}.metrics.jsonl")
   if os.path.exists(metrics):
@@ -62,6 +64,10 @@ def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int
           *maxtext_args, f"run_name=ab_{arm}",
           f"base_output_directory={os.path.join(out, 'runs')}",
           f"metrics_file={metrics}", *flags]
+  if profile_steps:
+    argv += ["profiler=xplane",
+             f"skip_first_n_steps_for_profiler={PROFILE_AFTER}",
+             f"profiler_steps={profile_steps}"]
   env = dict(os.environ)
   if xla_flags:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
@@ -80,14 +86,22 @@ def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int
       steps = [json.loads(line) for line in f]
   losses = [s["learning/loss"] for s in steps]
   times = [s["perf/step_time_seconds"] for s in steps]
-  timed = times[WARMUP_STEPS:]
+  # Profiled steps carry the profiler's overhead: not in the median.
+  profiled = range(PROFILE_AFTER, PROFILE_AFTER + profile_steps)
+  timed = [t for i, t in enumerate(times)
+           if i >= WARMUP_STEPS and i not in profiled]
   # The launcher's table: a summary line, then one indented line each.
   table = re.search(r"^collective matmul: \d+ of \d+ dot_generals "
                     r"rewritten\n((?:  .*\n)*)", text, re.M)
   table_start = table.start() if table else -1
   decisions = ([line.strip() for line in table.group(1).splitlines()]
                if table else [])
+  profile = None
+  if profile_steps and rc == 0:
+    profile = _breakdown(os.path.join(out, "runs", f"ab_{arm}"),
+                         profile_steps)
   return {
+      "profile": profile,
       "arm": arm, "rc": rc, "seconds": round(time.time() - started, 1),
       "command": " ".join(argv), "xla_flags": env.get("XLA_FLAGS", ""),
       "losses": losses, "step_times_s": times,
@@ -96,6 +110,44 @@ def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int
       "decision_summary": (text[table_start:].splitlines()[0]
                            if table_start >= 0 else None),
   }
+
+
+def _profile_lib():
+  try:
+    from reference_host import profile  # pylint: disable=g-import-not-at-top
+  except ImportError:  # Not installed: from the checkout.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "host"))
+    from reference_host import profile  # pylint: disable=g-import-not-at-top
+  return profile
+
+
+def _breakdown(run_dir: str, steps: int) -> dict:
+  """The arm's GPU time breakdown from MaxText's xplane profile."""
+  profile = _profile_lib()
+  try:
+    path = profile.find_trace(run_dir, "*.xplane.pb")
+    return {"trace": path,
+            **profile.breakdown(profile.load_events(path), steps).to_json()}
+  except (FileNotFoundError, ValueError) as e:
+    return {"error": str(e)}
+
+
+def profile_comparisons(arms: list[dict]) -> dict[str, dict]:
+  """Each arm against `off`: what it hid and what its kernels cost."""
+  profile = _profile_lib()
+  base = next(a for a in arms if a["arm"] == "off").get("profile") or {}
+  out = {}
+  for arm in arms:
+    mine = arm.get("profile") or {}
+    if arm["arm"] == "off" or "error" in mine or "error" in base or (
+        not mine or not base):
+      continue
+    fields = {f.name for f in dataclasses.fields(profile.Breakdown)}
+    load = lambda d: profile.Breakdown(**{k: v for k, v in d.items()
+                                          if k in fields})
+    out[arm["arm"]] = profile.compare(load(base), load(mine)).to_json()
+  return out
 
 
 def compare(arms: list[dict], dtype: str) -> dict:
@@ -139,6 +191,26 @@ def markdown(result: dict) -> str:
         f"{_fmt(row['ratio_vs_off'], '.3f')} | "
         f"{_fmt(row['max_rel_loss_diff'], '.2e')} | "
         f"{_fmt(row['final_loss'], '.5f')} |")
+  profiled = [a for a in result["arms"] if a.get("profile")]
+  if profiled:
+    lines += ["", "GPU kernel time per step (ms, GPU 0, MaxText's xplane "
+              "profile):", "",
+              "| arm | busy | matmul | collective matmul | barrier | other "
+              "compute | NCCL | NCCL not overlapped |",
+              "|---|---|---|---|---|---|---|---|"]
+    for a in profiled:
+      p = a["profile"]
+      if "error" in p:
+        lines.append(f"| {a['arm']} | {p['error']} |||||||")
+        continue
+      c = p["class_ms"]
+      lines.append(
+          f"| {a['arm']} | {p['busy_ms']:.2f} | {c['matmul']:.2f} | "
+          f"{c['collective_matmul']:.2f} | {c['barrier']:.2f} | "
+          f"{c['compute']:.2f} | {c['nccl']:.2f} | "
+          f"{p['nccl_exposed_ms']:.2f} |")
+    for name, comparison in result.get("profile_comparisons", {}).items():
+      lines += ["", f"- {name}: {comparison['sentence']}"]
   for arm in result["arms"]:
     if arm["rc"] != 0:
       lines += ["", f"**{arm['arm']} failed** (rc {arm['rc']}): see "
@@ -188,6 +260,11 @@ def main() -> int:
   parser.add_argument("--timeout", type=int, default=300,
                       help="seconds per arm")
   parser.add_argument("--title", default="")
+  parser.add_argument("--profile_steps", type=int, default=0,
+                      help="profile this many steps per arm (MaxText's "
+                      "profiler=xplane, after the warm-up) and report where "
+                      "each arm's GPU time goes; they are left out of the "
+                      "median")
   parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
   args = parser.parse_args()
   maxtext_args = [a for a in args.maxtext_args if a != "--"]
@@ -206,7 +283,8 @@ def main() -> int:
   results = []
   for arm in arms:
     print(f"== arm {arm} ...", flush=True)
-    results.append(run_arm(arm, maxtext_args, args.out, args.timeout))
+    results.append(run_arm(arm, maxtext_args, args.out, args.timeout,
+                           args.profile_steps))
     r = results[-1]
     print(f"   rc={r['rc']} {r['seconds']} s, median step "
           f"{_fmt(r['median_step_ms'], '.2f')} ms, {len(r['losses'])} steps"
@@ -224,7 +302,9 @@ def main() -> int:
       "versions": f"python {platform.python_version()}, jax "
                   f"{jax.__version__}, maxtext "
                   f"{_version('maxtext')}, flax {_version('flax')}",
-      "arms": results, "comparison": compare(results, dtype)}
+      "arms": results, "comparison": compare(results, dtype),
+      "profile_comparisons": (profile_comparisons(results)
+                              if args.profile_steps else {})}
   with open(os.path.join(args.out, "ab.json"), "w") as f:
     json.dump(result, f, indent=1)
   plotted = plot(result, os.path.join(args.out, "ab.png"))

@@ -91,12 +91,16 @@ def _open(path: str):
 
 
 def load_events(path: str) -> list[KernelEvent]:
-  """GPU stream events of a Chrome/Perfetto trace JSON (`.json[.gz]`).
+  """GPU stream events of a profile: an XSpace (`.xplane.pb`, what
+  `jax.profiler.start_trace` always writes, e.g. MaxText's `profiler=xplane`)
+  or a Chrome/Perfetto trace JSON (`.json[.gz]`).
 
   Only threads named like CUDA streams ("Stream #N...") on processes named
   after a GPU ("/device:GPU:N...") count: the trace also holds derived lines
   ("XLA Ops", "XLA Modules", "Steps") that repeat the same time.
   """
+  if path.endswith(".pb"):
+    return load_xspace_events(path)
   with _open(path) as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -123,6 +127,31 @@ def load_events(path: str) -> list[KernelEvent]:
         duration_us=float(e["dur"]), device=_device_name(device),
         stream=stream, hlo_op=str(args.get("hlo_op", "")),
         scope=str(args.get("name", ""))))
+  return out
+
+
+def load_xspace_events(path_or_profile) -> list[KernelEvent]:
+  """`load_events` for an XSpace: a `.xplane.pb` path or a
+  `jax.profiler.ProfileData`. Planes named after a GPU, lines named after
+  a CUDA stream, as in the JSON."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  profile = (ProfileData.from_file(path_or_profile)
+             if isinstance(path_or_profile, str) else path_or_profile)
+  out = []
+  for plane in profile.planes:
+    if not _is_gpu(plane.name):
+      continue
+    for line in plane.lines:
+      if not _is_stream(line.name):
+        continue
+      for e in line.events:
+        stats = dict(e.stats)
+        out.append(KernelEvent(
+            name=e.name, start_us=e.start_ns * 1e-3,
+            duration_us=e.duration_ns * 1e-3,
+            device=_device_name(plane.name), stream=line.name,
+            hlo_op=str(stats.get("hlo_op", "")),
+            scope=str(stats.get("name", ""))))
   return out
 
 
@@ -160,13 +189,15 @@ def write_device_trace(src: str, dst: str) -> None:
     json.dump({"traceEvents": kept}, f, separators=(",", ":"))
 
 
-def find_trace(log_dir: str) -> str:
-  """The newest Perfetto trace JSON under a `jax.profiler.trace` dir."""
+def find_trace(log_dir: str, pattern: str = "perfetto_trace.json.gz") -> str:
+  """The newest trace file named `pattern` (a glob) that a profiler run
+  wrote anywhere under `log_dir` (`.../plugins/profile/<time>/`)."""
   found = sorted(glob.glob(os.path.join(
-      log_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))
+      log_dir, "**", "plugins", "profile", "*", pattern), recursive=True),
+                 key=lambda p: os.path.basename(os.path.dirname(p)))
   if not found:
     raise FileNotFoundError(
-        f"no plugins/profile/*/perfetto_trace.json.gz under {log_dir}")
+        f"no plugins/profile/*/{pattern} under {log_dir}")
   return found[-1]
 
 

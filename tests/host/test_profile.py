@@ -187,3 +187,58 @@ def test_ab_compare_refuses_to_profile_without_a_gpu():
        "--profile_steps=1"], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
   assert "--profile_steps breaks down GPU kernel time" in proc.stderr
+
+
+_XSPACE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #24(Compute)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000
+             stats { metadata_id: 2 str_value: "custom-call.1" }
+             stats { metadata_id: 3 ref_value: 4 } }
+    events { metadata_id: 5 offset_ps: 2000000 duration_ps: 6000000 }
+  }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_sm90_gemm" } }
+  event_metadata { key: 5 value { id: 5 name: "ncclDevKernel_AllGather" } }
+  stat_metadata { key: 2 value { id: 2 name: "hlo_op" } }
+  stat_metadata { key: 3 value { id: 3 name: "name" } }
+  stat_metadata { key: 4 value { id: 4
+                  name: "jit(f)/jvp(M)/layers_0/mlp/wi_0/dot_general" } }
+}
+planes { id: 2 name: "/host:CPU"
+  lines { id: 1 name: "python" events { metadata_id: 1 duration_ps: 9 } }
+  event_metadata { key: 1 value { id: 1 name: "host work" } }
+}
+"""
+
+
+def test_reads_xspace_profiles_as_maxtext_writes_them():
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  events = profile_lib.load_xspace_events(ProfileData.from_text_proto(_XSPACE))
+  assert [(e.name, e.start_us, e.duration_us, e.hlo_op) for e in events] == [
+      ("nvjet_sm90_gemm", 1.0, 5.0, "custom-call.1"),
+      ("ncclDevKernel_AllGather", 3.0, 6.0, "")]
+  b = profile_lib.breakdown(events, steps=1)
+  assert b.nccl_exposed_ms == pytest.approx(3e-3)  # [6, 9) us uncovered
+  assert b.projections == {"wi_0 forward": {"matmul": pytest.approx(5e-3)}}
+
+
+def test_maxtext_ab_compares_each_arm_with_off():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "maxtext_ab", os.path.join(repo, "scripts", "maxtext_ab.py"))
+  maxtext_ab = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(maxtext_ab)
+  arms = [{"arm": "off", "profile": _breakdown("baseline").to_json()},
+          {"arm": "auto", "profile": _breakdown("collective").to_json()},
+          {"arm": "windowed", "profile": {"error": "no trace"}}]
+  comparisons = maxtext_ab.profile_comparisons(arms)
+  assert list(comparisons) == ["auto"]
+  expected = profile_lib.compare(_breakdown("baseline"),
+                                 _breakdown("collective"))
+  assert comparisons["auto"]["sentence"] == expected.sentence()
