@@ -276,7 +276,8 @@ def _profile_markdown(profile: dict) -> list[str]:
     lines += ["", "NCCL kernels in the collective arm's trace (per step):",
               ""]
     lines += [f"- `{o['op']}` ({o['scope'] or 'no scope'}): "
-              f"{o['ms_per_step']:.3f} ms, {o['count_per_step']:g} launches"
+              f"{o['ms_per_step']:.3f} ms, {o['exposed_ms_per_step']:.3f} "
+              f"of it not overlapped, {o['count_per_step']:g} launches"
               for o in c.nccl_ops if o["ms_per_step"] >= 0.01]
   return lines + [""]
 

@@ -259,7 +259,8 @@ class Breakdown:
   class_ms: dict[str, float]  # summed kernel time per class
   nccl_exposed_ms: float  # NCCL time overlapped by no compute kernel
   top_kernels: list[dict[str, Any]]  # name, class, ms per step, count
-  nccl_ops: list[dict[str, Any]]  # per hlo_op: ms per step, count, scope
+  # Per hlo_op: ms per step, the part no compute overlaps, count, scope.
+  nccl_ops: list[dict[str, Any]]
   # "wi_0 forward" -> {class: ms per step}, for the classes a projection's
   # ops fall in (matmul, collective_matmul, barrier, nccl).
   projections: dict[str, dict[str, float]] = dataclasses.field(
@@ -299,9 +300,10 @@ def breakdown(events: Sequence[KernelEvent], steps: int,
     entry[0] += e.duration_us
     entry[1] += 1
     if cls == "nccl":
-      op = nccl_by_op.setdefault(e.hlo_op or e.name, [0.0, 0, e.scope])
+      op = nccl_by_op.setdefault(e.hlo_op or e.name, [0.0, 0, e.scope, []])
       op[0] += e.duration_us
       op[1] += 1
+      op[3].append((e.start_us, e.end_us))
   busy = _union((e.start_us, e.end_us) for e in mine)
   compute = _union((e.start_us, e.end_us) for e in mine
                    if classify(e) in COMPUTE_CLASSES)
@@ -314,9 +316,10 @@ def breakdown(events: Sequence[KernelEvent], steps: int,
       for name, (us, count) in sorted(by_kernel.items(),
                                       key=lambda kv: -kv[1][0])[:top]]
   nccl_ops = [{"op": op, "ms_per_step": us * per,
+               "exposed_ms_per_step": _minus(_union(spans), compute) * per,
                "count_per_step": count / steps, "scope": scope}
-              for op, (us, count, scope) in sorted(nccl_by_op.items(),
-                                                   key=lambda kv: -kv[1][0])]
+              for op, (us, count, scope, spans) in sorted(
+                  nccl_by_op.items(), key=lambda kv: -kv[1][0])]
   return Breakdown(
       device=device, steps=steps, busy_ms=_length(busy) * per,
       class_ms={c: v * per for c, v in class_us.items()},
