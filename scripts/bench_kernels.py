@@ -12,7 +12,10 @@ For each shape (per shard m/k/n) and dtype, one process owning all GPUs:
             for multi-stream programs)
 Kernel time = for each kernel name, the minimum over devices, summed (a
 device that waited for its peer does not count its wait); the median over
-iterations. Every method's result is checked against an f32 reference.
+iterations. Every method's result is checked against an f32 reference,
+except a config run in loopback (`"loopback": true` in its --config /
+--rs-config JSON: every device sends to itself, the kernel's
+`_diagnostic_loopback`, to time what NVLink costs; WRONG RESULTS by design).
 
   python scripts/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
 """
@@ -117,6 +120,18 @@ print("US", (time.perf_counter() - t) / 200 * 1e6)
   return None
 
 
+def parse_config(config_class, text):
+  """(config, loopback) from a --config / --rs-config JSON object.
+
+  "loopback" (or its old name "loopback_for_timing") is not a config field
+  but the kernel call's diagnostic switch.
+  """
+  fields = json.loads(text)
+  loopback = bool(fields.pop("loopback", False)
+                  | fields.pop("loopback_for_timing", False))
+  return config_class(**fields), loopback
+
+
 def seed_configs():
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   dim = hm.MatmulDimension
@@ -129,6 +144,7 @@ def seed_configs():
 def bench_shape(m, k, n, dtype_name, args):
   import collective_matmul as cm
   from collective_matmul import kernels
+  from collective_matmul import selection
   dtype = DTYPES[dtype_name]
   d = jax.device_count()
   mesh = jax.make_mesh((d,), ("x",),
@@ -181,13 +197,18 @@ def bench_shape(m, k, n, dtype_name, args):
       if best:
         row["seed_us"], row["seed_config"], row["seed_kernels"] = best
 
-    configs = [None] + [kernels.AllGatherMatmulConfig(**json.loads(c))
-                        for c in args.config]
-    for i, cfg in enumerate(configs):
-      chosen = cfg or kernels.select_config(m, k, n, dtype, d)
+    configs = [(None, False)] + [parse_config(kernels.AllGatherConfig, c)
+                                 for c in args.config]
+    for i, (cfg, loopback) in enumerate(configs):
+      chosen = cfg or selection.select_config(m, k, n, dtype, d)
       key = "ours" if i == 0 else f"ours_cfg{i}"
-      f = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
-                                  impl="pallas", kernel_config=chosen))
+      if loopback:
+        f = shmap(functools.partial(kernels.all_gather_lhs_matmul,
+                                    axis_name="x", config=chosen,
+                                    _diagnostic_loopback=True))
+      else:
+        f = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
+                                    impl="pallas", kernel_config=chosen))
       try:
         poison_allocator(d * m * n * 2)
         out, t, names = kernel_time_us(f, a, b)
@@ -195,7 +216,10 @@ def bench_shape(m, k, n, dtype_name, args):
         print(f"ours {chosen} failed: {type(e).__name__}: {str(e)[:2000]}",
               flush=True)
         continue
-      err = check(key, out) if not chosen.loopback_for_timing else None
+      if loopback:
+        row[f"{key}_loopback"] = True
+      else:
+        check(key, out)
       # A result that changes between runs is a race.
       again = np.asarray(f(a, b), np.float32)
       row[f"{key}_repeat_identical"] = bool(
@@ -222,6 +246,7 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
   """Matmul + reduce-scatter: per shard m rows after the scatter, k local
   contraction, n output columns."""
   from collective_matmul import kernels
+  from collective_matmul import selection
   dtype = DTYPES[dtype_name]
   d = jax.device_count()
   row = {"pattern": "reduce_scatter", "shape": f"{m}/{k}/{n}",
@@ -249,13 +274,15 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
         x @ y, "x", scatter_dimension=0, tiled=True))
     out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b)
     row["nccl_rel_err"] = rel_error(out, ref)
-    configs = [None] + [kernels.AllGatherMatmulConfig(**json.loads(c))
-                        for c in args.rs_config]
-    for i, cfg in enumerate(configs):
-      chosen = cfg or kernels.select_reduce_scatter_config(m, k, n, dtype, d)
+    configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
+                                 for c in args.rs_config]
+    for i, (cfg, loopback) in enumerate(configs):
+      chosen = cfg or selection.select_reduce_scatter_config(m, k, n, dtype,
+                                                             d)
       key = "ours" if i == 0 else f"ours_cfg{i}"
       f = shmap(functools.partial(kernels.matmul_reduce_scatter,
-                                  axis_name="x", config=chosen))
+                                  axis_name="x", config=chosen,
+                                  _diagnostic_loopback=loopback))
       try:
         poison_allocator(d * m * n * 2)
         out, row[f"{key}_us"], row[f"{key}_kernels"] = kernel_time_us(f, a, b)
@@ -265,6 +292,8 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
         continue
       row[f"{key}_config"] = dataclasses.asdict(chosen)
       row[f"{key}_rel_err"] = rel_error(out, ref)
+      if loopback:
+        row[f"{key}_loopback"] = True
       again = np.asarray(f(a, b), np.float32)
       row[f"{key}_repeat_identical"] = bool(
           np.array_equal(again, np.asarray(out, np.float32)))
@@ -281,13 +310,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="*", default=SHAPES)
   parser.add_argument("--config", action="append", default=[],
-                      help="extra kernel config as JSON (repeatable)")
+                      help="extra kernel config as JSON (repeatable; "
+                      '"loopback": true times it in loopback)')
   parser.add_argument("--skip-seed", action="store_true")
   parser.add_argument("--windowed", action="store_true")
   parser.add_argument("--rs-shapes", nargs="*", default=RS_SHAPES,
                       help="matmul + reduce-scatter shapes (m/k/n per shard)")
   parser.add_argument("--rs-config", action="append", default=[],
-                      help="extra reduce-scatter kernel config as JSON")
+                      help="extra reduce-scatter kernel config as JSON "
+                      '("loopback": true as for --config)')
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
   rows = []

@@ -20,7 +20,7 @@ out=${1:?usage: gpu_check.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
 export PYTHONPATH=plugin:host NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # XLA command buffers off: the kernels are wrong under CUDA-graph replay
-# (collective_matmul.kernels.tuning.command_buffer_reason).
+# (collective_matmul.selection.command_buffer_reason).
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv \
   > "$out/gpu_info.txt" 2>&1

@@ -14,6 +14,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
 
 # The GPU suite runs the Hopper kernels through the drop-in dot_general,
 # which uses them only with XLA's command buffers off (see
-# collective_matmul.kernels.tuning.command_buffer_reason).
+# collective_matmul.selection.command_buffer_reason).
 if "--xla_gpu_enable_command_buffer=" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_enable_command_buffer="

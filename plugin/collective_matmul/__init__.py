@@ -20,7 +20,6 @@ from collective_matmul.einsum_override import einsum
 from collective_matmul.einsum_override import logical_einsum
 from collective_matmul.einsum_override import mesh_axes_einsum
 from collective_matmul.flags import config_from_flags
-from collective_matmul.kernels.tuning import prepare_xla_for_kernels
 from collective_matmul.ops import all_gather_matmul
 from collective_matmul.ops import matmul_reduce_scatter
 from collective_matmul.override import Decision
@@ -29,5 +28,6 @@ from collective_matmul.override import decisions
 from collective_matmul.override import dot_general
 from collective_matmul.override import format_decisions
 from collective_matmul.override import logical_dot_general
+from collective_matmul.selection import prepare_xla_for_kernels
 
 __version__ = "0.1.0"

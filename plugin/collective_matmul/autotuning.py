@@ -3,7 +3,8 @@
 Times every candidate configuration on random inputs of the given local
 shape (CUPTI kernel time, minimum over devices per kernel, summed), checks
 each result against the `ring` implementation, and stores the fastest in the
-cache that `tuning.select_config` reads first (keyed by device kind, dtype,
+cache that `selection.select_config` (or `select_reduce_scatter_config`)
+reads first (keyed by device kind, dtype,
 D and local shape). Needs the GPUs of the ring; run it once per shape.
 Tunes either kernel (`pattern`); the two kernels' cache entries are keyed
 apart, so a tuned all-gather config never changes the reduce-scatter
@@ -23,10 +24,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import ops
-from collective_matmul.kernels import tuning
+from collective_matmul import selection
 
 
-PATTERNS = tuning.CACHE_PATTERNS
+PATTERNS = selection.CACHE_PATTERNS
 
 
 def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
@@ -39,7 +40,7 @@ def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
   step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
   """
   if pattern == "all_gather":
-    for base in tuning._candidates():  # pylint: disable=protected-access
+    for base in selection.tile_candidates():
       for gap in (8, 12, 16):
         for width in (4, 8):
           yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
@@ -48,7 +49,7 @@ def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
     raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")
-  base = tuning.select_reduce_scatter_config(m, k, n, dtype, axis_size)
+  base = selection.select_reduce_scatter_config(m, k, n, dtype, axis_size)
   for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
     for gap in gaps:
       try:
@@ -155,7 +156,7 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
   if best is None:
     raise RuntimeError(f"autotune: no candidate ran for {m}x{k}x{n}")
   if store:
-    path = tuning.store_cached_config(best[1], m, k, n, dtype, d,
-                                      pattern=pattern)
+    path = selection.store_cached_config(best[1], m, k, n, dtype, d,
+                                         pattern=pattern)
     logging.info("autotune: stored %s in %s", best[1], path)
   return best[1], results

@@ -25,6 +25,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from collective_matmul import ring
+from collective_matmul import selection
 
 ALL_GATHER_IMPLS = ("pallas", "ring", "baseline")
 REDUCE_SCATTER_IMPLS = ALL_GATHER_IMPLS
@@ -55,13 +56,12 @@ def _check_operands(x, w, axis, axis_arg, impl, impls):
 def _pallas_unavailable_reason(x, w) -> str | None:
   """Why this machine, its XLA settings and these operands cannot run the
   Hopper kernels (the same rules the drop-in dot_general falls back on)."""
-  from collective_matmul.kernels import tuning  # pylint: disable=g-import-not-at-top
   platform = jax.default_backend()
-  return tuning.unsupported_reason(
+  return selection.unsupported_reason(
       platform=platform, device_kind=jax.devices()[0].device_kind,
       dtype=x.dtype, m=max(1, x.size // max(1, x.shape[-1])),
       k=max(1, x.shape[-1]), n=max(1, w.shape[-1]),
-      axis_size=1) or tuning.command_buffer_reason(platform)
+      axis_size=1) or selection.command_buffer_reason(platform)
 
 
 def _rows_layout(x, axis, config_for):
@@ -76,8 +76,7 @@ def _rows_layout(x, axis, config_for):
   rows = math.prod(x.shape[:-1])
   per_batch = math.prod(x.shape[axis:-1])
   config = config_for(rows)
-  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
-  if axis == 0 or tuning.supports_rows_per_batch(config, rows, per_batch):
+  if axis == 0 or selection.supports_rows_per_batch(config, rows, per_batch):
     return x.reshape(rows, x.shape[-1]), per_batch, False
   moved = jnp.moveaxis(x, axis, 0)
   return moved.reshape(rows, x.shape[-1]), None, True
@@ -88,7 +87,7 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
                               return_gathered=False):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
-  config_for = lambda rows: kernel_config or kernels.select_config(
+  config_for = lambda rows: kernel_config or selection.select_config(
       rows, x.shape[-1], w.shape[1], x.dtype, axis_size,
       out_dtype=preferred_element_type)
   x2d, per_batch, moved = _rows_layout(x, gather_axis, config_for)
@@ -123,17 +122,16 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
   config_for = lambda rows: kernel_config or (
-      kernels.select_reduce_scatter_config(
+      selection.select_reduce_scatter_config(
           rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
           out_dtype=preferred_element_type))
   # Runs of rows are addressed per row block, so they must fit one block.
   per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
   rows = math.prod(x.shape[:-1])
   config = config_for(rows)
-  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
-  if scatter_axis == 0 or tuning.supports_rows_per_batch(
+  if scatter_axis == 0 or selection.supports_rows_per_batch(
       config, rows // axis_size, per_block):
     out2d = kernels.matmul_reduce_scatter(
         x.reshape(rows, x.shape[-1]), w, axis_name, config=config,
@@ -152,29 +150,6 @@ def _check_backward_impl(backward_impl):
   if backward_impl is not None and backward_impl not in ALL_GATHER_IMPLS:
     raise ValueError(f"backward_impl={backward_impl!r} is not None or one of "
                      f"{ALL_GATHER_IMPLS}")
-
-
-COLLECTIVES = ("all_gather", "reduce_scatter")
-
-
-def backward_impl(impl: str, collective: str, dtype) -> str:
-  """The implementation a backward pass uses for `collective` on `dtype`.
-
-  The forward's, except that `pallas` becomes `ring` where the Hopper
-  kernels do not take `dtype` (an f32 cotangent of an op asked for f32
-  results): the backward of a kernel-served op must not fail for it.
-
-  Args:
-    impl: the forward's implementation.
-    collective: "all_gather" or "reduce_scatter".
-    dtype: the backward operands' dtype.
-  """
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective={collective!r} is not one of {COLLECTIVES}")
-  if impl != "pallas":
-    return impl
-  from collective_matmul.kernels import tuning  # Pure Python, no Pallas.
-  return "pallas" if jnp.dtype(dtype).name in tuning.KERNEL_DTYPES else "ring"
 
 
 def _contract_leading(a, b, precision):
@@ -258,7 +233,8 @@ class _Static:
 
   def backward(self, collective: str, dtype) -> str:
     """The backward's implementation of `collective` on `dtype`."""
-    return backward_impl(self.backward_impl or self.impl, collective, dtype)
+    return selection.backward_impl(self.backward_impl or self.impl,
+                                   collective, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -349,8 +325,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     impl: `pallas` (Hopper kernel), `ring` (portable) or `baseline`.
     bidirectional: for `ring` with more than two devices, send both ways.
     precision, preferred_element_type: as in `lax.dot_general`.
-    kernel_config: a `kernels.AllGatherMatmulConfig` for `pallas`, or None to
-      pick one for the shape.
+    kernel_config: a `kernels.AllGatherConfig` for `pallas`, or None to
+      pick one for the shape (`selection.select_config`).
     save_gathered: (default, as in `CollectiveMatmulConfig`) keep the
       gathered activation `all_gather(x)` from the forward for the weight
       gradient: D x the activation shard's memory,
@@ -399,8 +375,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
       the D partial products in float32 (or the wider
       `preferred_element_type`) and casts once at the end; `baseline` sums
       in the product's dtype, as XLA's reduce-scatter does.
-    kernel_config: the `pallas` kernel's tuning config, or None to pick one
-      for the shape.
+    kernel_config: a `kernels.ReduceScatterConfig` for `pallas`, or None to
+      pick one for the shape (`selection.select_reduce_scatter_config`).
     save_gathered: (default, as in `CollectiveMatmulConfig`) in the
       backward, use the gathered cotangent that the dx all-gather matmul
       assembles for dw too (D x the cotangent shard's

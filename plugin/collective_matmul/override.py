@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from collective_matmul import config as config_lib
 from collective_matmul import ops
 from collective_matmul import patterns
-from collective_matmul.kernels import tuning
+from collective_matmul import selection
 
 SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
                                          jnp.float16, jnp.float64)))
@@ -207,83 +207,39 @@ def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
   return rows, k, n
 
 
-def _kernel_verdict(cfg, collective, rows, k, n, dtype, axis_size, mesh,
-                    out_dtype):
-  """Why the Hopper kernel is not used, or None.
-
-  Returns (reason, impl to use instead, hard): `hard` when the kernel cannot
-  or may not run (an explicit `pallas` then falls back), else it would only
-  be slower (`auto` avoids it, an explicit `pallas` still runs it).
-  """
-  # The same constraints for both kernels (per shard: rows, k, columns).
-  reason = tuning.unsupported_reason(
-      platform=_platform(mesh), device_kind=_device_kind(mesh), dtype=dtype,
-      m=rows, k=k, n=n, axis_size=axis_size, out_dtype=out_dtype)
-  if reason is not None:
-    return f"pallas unavailable: {reason}", cfg.fallback_impl, True
-  reason = (tuning.command_buffer_reason(_platform(mesh)) or
-            tuning.process_layout_reason(axis_size, jax.process_count(),
-                                         jax.local_device_count()))
-  if reason is not None:
-    # XLA's own program (NCCL + cuBLAS) is the fast safe choice on a GPU.
-    return f"pallas unavailable: {reason}", "baseline", True
-  if collective == "reduce_scatter" and not cfg.reduce_scatter_kernel:
-    return "the reduce-scatter kernel is switched off", "baseline", True
-  small = tuning.too_small_reason(rows, k, n, dtype, axis_size,
-                                  _num_cores(mesh))
-  if small is not None:
-    return small, "baseline", False
-  return None
-
-
 def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
                  preferred_element_type):
-  """(impl, backward impl, reason, is_fallback) for a matched pattern.
-
-  `auto` takes the Hopper kernel where it applies and pays off, else XLA's
-  collective + GEMM for small problems on Hopper, else `fallback_impl`; an
-  explicit `pallas` that cannot be served is a fallback (strict raises). The
-  backward's collective matmul (the other pattern, transposed shapes) is
-  chosen the same way.
-  """
+  """(impl, backward impl, reason, is_fallback) for a matched pattern: the
+  configured implementation, resolved by `selection.choose_impl` from the
+  per-shard sizes and the mesh's device facts."""
   collective = ("reduce_scatter"
                 if isinstance(match, patterns.ReduceScatterMatch)
                 else "all_gather")
-  other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
   rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
-  out_dtype = preferred_element_type or lhs.dtype
-  if cfg.impl in ("ring", "baseline"):
-    return cfg.impl, cfg.impl, "", False
-  verdict = _kernel_verdict(cfg, collective, rows, k, n, lhs.dtype,
-                            match.axis_size, mesh, preferred_element_type)
-  if verdict is not None and (cfg.impl == "auto" or verdict[2]):
-    reason, impl, hard = verdict
-    return impl, impl, reason, cfg.impl == "pallas" and hard
-  # The backward multiplies the cotangent (the forward's output dtype) by
-  # w.T: the other collective, with k and n swapped.
-  back = _kernel_verdict(cfg, other, rows, n, k, out_dtype, match.axis_size,
-                         mesh, None)
-  return "pallas", ("pallas" if back is None else back[1]), "", False
+  return selection.choose_impl(
+      cfg.impl, collective, rows, k, n, lhs.dtype, match.axis_size,
+      selection.device_facts(mesh),
+      preferred_element_type=preferred_element_type,
+      fallback_impl=cfg.fallback_impl,
+      reduce_scatter_kernel=cfg.reduce_scatter_kernel)
 
 
-def _platform(mesh) -> str:
-  device = getattr(mesh, "abstract_device", None)
-  if device is not None and getattr(device, "platform", None):
-    return device.platform
-  return jax.default_backend()
+def _canonical_lhs(lhs_block, lhs_contract):
+  """`lhs_block` as x[free..., k]: its contracting dims moved last and
+  flattened (a no-op for Dense)."""
+  lhs_free = [d for d in range(lhs_block.ndim) if d not in lhs_contract]
+  x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
+  return x.reshape(x.shape[:len(lhs_free)] + (-1,))
 
 
-def _num_cores(mesh) -> int:
-  device = getattr(mesh, "abstract_device", None)
-  cores = getattr(device, "num_cores", None) if device is not None else None
-  return cores or getattr(jax.devices()[0], "core_count", 132)
-
-
-def _device_kind(mesh) -> str:
-  device = getattr(mesh, "abstract_device", None)
-  if device is not None and getattr(device, "device_kind", None):
-    return device.device_kind
-  return jax.devices()[0].device_kind
+def _canonical_rhs(rhs_block, rhs_contract):
+  """(`rhs_block` as w[k, n], the shape of its free dims): contracting dims
+  first and flattened in the order the lhs flattens its own, free dims
+  flattened after them."""
+  rhs_free = [d for d in range(rhs_block.ndim) if d not in rhs_contract]
+  w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
+  free_shape = w.shape[len(rhs_contract):]
+  return w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1), free_shape
 
 
 def _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl, bwd_impl,

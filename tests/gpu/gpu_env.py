@@ -46,3 +46,28 @@ def rel_error(out, ref):
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
   return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def all_gather_kernel(lhs, rhs, axis_name, *, config=None, **kwargs):
+  """The all-gather kernel at `config`, or at the one selection picks for
+  the shape (as the ops do)."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from collective_matmul import kernels, selection  # pylint: disable=g-import-not-at-top
+  config = config or selection.select_config(
+      lhs.shape[0], lhs.shape[1], rhs.shape[1], lhs.dtype,
+      lax.axis_size(axis_name), out_dtype=kwargs.get("out_dtype"))
+  return kernels.all_gather_lhs_matmul(lhs, rhs, axis_name, config=config,
+                                       **kwargs)
+
+
+def reduce_scatter_kernel(x, w, axis_name, *, config=None, **kwargs):
+  """The reduce-scatter kernel at `config`, or at the one selection picks
+  for the shape (as the ops do)."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from collective_matmul import kernels, selection  # pylint: disable=g-import-not-at-top
+  d = lax.axis_size(axis_name)
+  config = config or selection.select_reduce_scatter_config(
+      x.shape[0] // d, x.shape[1], w.shape[1], x.dtype, d,
+      out_dtype=kwargs.get("out_dtype"))
+  return kernels.matmul_reduce_scatter(x, w, axis_name, config=config,
+                                       **kwargs)

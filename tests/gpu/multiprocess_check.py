@@ -19,7 +19,7 @@ if os.environ.get("CM_MP_NVSHMEM") == "1":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_gpu_experimental_enable_nvshmem=true")
 # XLA's command buffers off, as the kernels need (see
-# collective_matmul.kernels.tuning.command_buffer_reason).
+# collective_matmul.selection.command_buffer_reason).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_gpu_enable_command_buffer=")
 import jax

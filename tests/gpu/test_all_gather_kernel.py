@@ -20,10 +20,10 @@ from gpu_env import ring_mesh as _mesh
 
 CONFIGS = [
     None,  # Chosen by select_config.
-    kernels.AllGatherMatmulConfig(spread_sends=False),
-    kernels.AllGatherMatmulConfig(tile_m=128, tile_n=128, wg_dimension="m",
+    kernels.AllGatherConfig(spread_sends=False),
+    kernels.AllGatherConfig(tile_m=128, tile_n=128, wg_dimension="m",
                                   send_gap=4),
-    kernels.AllGatherMatmulConfig(tile_m=64, tile_n=128, grid_minor_dim="n",
+    kernels.AllGatherConfig(tile_m=64, tile_n=128, grid_minor_dim="n",
                                   grid_tile_width=2),
 ]
 

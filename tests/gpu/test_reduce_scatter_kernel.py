@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import kernels
 
 from gpu_env import HOPPER_COUNT
+from gpu_env import all_gather_kernel
+from gpu_env import reduce_scatter_kernel
 from gpu_env import poison as _poison
 from gpu_env import rel_error as _rel
 from gpu_env import ring_mesh as _mesh
@@ -39,7 +41,7 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
     for _ in range(3):  # A result that changes between runs is a race.
       _poison(d * m * n * 4)
       out = np.asarray(_run(functools.partial(
-          kernels.matmul_reduce_scatter, axis_name="x"), a, b), np.float32)
+          reduce_scatter_kernel, axis_name="x"), a, b), np.float32)
       assert out.shape == (d * m, n)
       assert _rel(out, ref) < 1e-2
       if first is None:
@@ -55,10 +57,10 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
 @pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("config,k", [
     (None, 3200), (None, 1536), (None, 64),
-    (kernels.AllGatherMatmulConfig(early_announce=False), 1024),
-    (kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2), 1024),
-    (kernels.AllGatherMatmulConfig(epi_tile_n=128, max_concurrent_steps=3,
-                                   send_pieces=4, send_gap=3), 1024)],
+    (kernels.ReduceScatterConfig(early_announce=False), 1024),
+    (kernels.ReduceScatterConfig(spread_sends=False, send_gap=2), 1024),
+    (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
+                                 send_pieces=4, send_gap=3), 1024)],
     ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
   d, m, n = 2, 512, 768
@@ -68,7 +70,7 @@ def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
     b = jax.sharding.reshard(jax.random.normal(
         jax.random.key(k + 1), (d * k, n), jnp.bfloat16), P("x", None))
     ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
-    f = functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
+    f = functools.partial(reduce_scatter_kernel, axis_name="x",
                           config=config)
     _poison(d * m * n * 4)
     first = np.asarray(_run(f, a, b), np.float32)
@@ -92,7 +94,7 @@ def test_all_gather_kernel_writes_batch_major_rows(batch, seq):
 
     def body(xb, wb):
       flat = xb.reshape(-1, k)
-      out = kernels.all_gather_lhs_matmul(flat, wb, "x", rows_per_batch=seq)
+      out = all_gather_kernel(flat, wb, "x", rows_per_batch=seq)
       return out.reshape(batch, d * seq, wb.shape[1])
 
     _poison(batch * d * seq * n * 4)
@@ -114,8 +116,7 @@ def test_all_gather_kernel_returns_the_gathered_shards(m):
         jax.random.key(12), (k, d * n), jnp.bfloat16), P(None, "x"))
 
     def body(xb, wb):
-      out, held = kernels.all_gather_lhs_matmul(xb, wb, "x",
-                                                return_gathered=True)
+      out, held = all_gather_kernel(xb, wb, "x", return_gathered=True)
       expected = lax.all_gather(xb, "x", axis=0, tiled=False)
       mismatch = jnp.sum(held != expected)
       return out, mismatch[None]
@@ -139,8 +140,8 @@ def test_reduce_scatter_kernel_reads_batch_major_rows():
         jax.random.key(14), (d * k, n), jnp.bfloat16), P("x", None))
 
     def body(xb, wb):
-      out = kernels.matmul_reduce_scatter(xb.reshape(-1, xb.shape[-1]), wb,
-                                          "x", rows_per_batch=seq)
+      out = reduce_scatter_kernel(xb.reshape(-1, xb.shape[-1]), wb, "x",
+                                  rows_per_batch=seq)
       return out.reshape(batch, seq, n)
 
     _poison(batch * d * seq * n * 4)

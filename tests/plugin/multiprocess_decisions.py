@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import collective_matmul as cm  # pylint: disable=g-import-not-at-top
-from collective_matmul.kernels import tuning  # pylint: disable=g-import-not-at-top
+from collective_matmul import selection  # pylint: disable=g-import-not-at-top
 
 process_id, port, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -60,7 +60,7 @@ max_err = max(float(np.max(np.abs(np.asarray(s.data) - reference[s.index])))
 with open(out_path, "w") as f:
   json.dump({
       "decisions": [str(d) for d in cm.decisions()],
-      "config": tuning.select_config(256, 512, 1024, "bfloat16", 4).to_json(),
+      "config": selection.select_config(256, 512, 1024, "bfloat16", 4).to_json(),
       "max_abs_error": max_err,
   }, f)
 jax.distributed.shutdown()

@@ -92,9 +92,9 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   (benchmarks/maxtext/): an explicit impl='pallas' says so, on a machine
   that otherwise could run it."""
   from collective_matmul import ops
-  from collective_matmul.kernels import tuning
+  from collective_matmul import selection
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(tuning, "unsupported_reason", lambda **_: None)
+  monkeypatch.setattr(selection, "unsupported_reason", lambda **_: None)
   x, w = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256),
                                                          jnp.bfloat16)
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

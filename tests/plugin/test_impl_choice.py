@@ -31,7 +31,7 @@ class _Mesh:
 @pytest.fixture(autouse=True)
 def _command_buffers_off(monkeypatch):
   """The kernels run only with XLA's command buffers off (see
-  tuning.command_buffer_reason); tests of that rule set XLA_FLAGS again."""
+  selection.command_buffer_reason); tests of that rule set XLA_FLAGS again."""
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
 
 
@@ -143,9 +143,9 @@ def test_command_buffers_on_fall_back_to_xla_with_the_reason(
      False),
 ])
 def test_command_buffer_rule_reads_the_last_setting(flags, safe):
-  from collective_matmul.kernels import tuning
-  assert (tuning.command_buffer_reason("gpu", flags) is None) == safe
-  assert tuning.command_buffer_reason("cpu", flags) is None
+  from collective_matmul import selection
+  assert (selection.command_buffer_reason("gpu", flags) is None) == safe
+  assert selection.command_buffer_reason("cpu", flags) is None
 
 
 @pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import collective_matmul as cm
 from collective_matmul import kernels
+from collective_matmul import selection
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +36,9 @@ def _spec(mesh, shape, spec, dtype=jnp.bfloat16):
                               sharding=NamedSharding(mesh, spec))
 
 
-CONFIGS = [None, kernels.AllGatherMatmulConfig(spread_sends=False),
-           kernels.AllGatherMatmulConfig(wg_dimension="m", send_gap=4),
-           kernels.AllGatherMatmulConfig(tile_m=64, grid_minor_dim="n")]
+CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
+           kernels.AllGatherConfig(wg_dimension="m", send_gap=4),
+           kernels.AllGatherConfig(tile_m=64, grid_minor_dim="n")]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
@@ -46,6 +47,7 @@ CONFIGS = [None, kernels.AllGatherMatmulConfig(spread_sends=False),
 def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
   mesh = _mesh(d)
   k, n = 256, 384
+  config = config or selection.select_config(m, k, n, jnp.bfloat16, d)
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
@@ -57,11 +59,10 @@ def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
   assert held.shape == (d * d, m, k)
 
 
-RS_CONFIGS = [None, kernels.AllGatherMatmulConfig(early_announce=False),
-              kernels.AllGatherMatmulConfig(spread_sends=False, send_gap=2),
-              kernels.AllGatherMatmulConfig(epi_tile_n=128, send_pieces=4,
-                                            send_gap=3,
-                                            max_concurrent_steps=3)]
+RS_CONFIGS = [None, kernels.ReduceScatterConfig(early_announce=False),
+              kernels.ReduceScatterConfig(spread_sends=False, send_gap=2),
+              kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=4,
+                                          send_gap=3, max_concurrent_steps=3)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
@@ -74,6 +75,8 @@ def test_reduce_scatter_kernel_traces_with_the_shapes_it_promises(
   # The picked config fits f32 partial sums; the explicit ones (4 stages,
   # 64 x 64 epilogue) fit bf16.
   out_dtype = jnp.float32 if config is None else jnp.bfloat16
+  config = config or selection.select_reduce_scatter_config(
+      m, k, n, jnp.bfloat16, d, out_dtype=out_dtype)
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
@@ -89,15 +92,16 @@ def test_batch_major_rows_trace_for_both_kernels():
   with jax.set_mesh(mesh):
     gather = jax.shard_map(
         lambda x, w: kernels.all_gather_lhs_matmul(
-            x.reshape(-1, 256), w, "x", rows_per_batch=256).reshape(3, 512, -1),
+            x.reshape(-1, 256), w, "x", rows_per_batch=256,
+            config=kernels.AllGatherConfig()).reshape(3, 512, -1),
         out_specs=P(None, None, "x"), check_vma=False)
     out = jax.eval_shape(gather, _spec(mesh, (3, 512, 256), P(None, "x", None)),
                          _spec(mesh, (256, 512), P(None, "x")))
     assert out.shape == (3, 512, 512)
     scatter = jax.shard_map(
         lambda x, w: kernels.matmul_reduce_scatter(
-            x.reshape(-1, x.shape[-1]), w, "x",
-            rows_per_batch=256).reshape(3, 256, -1),
+            x.reshape(-1, x.shape[-1]), w, "x", rows_per_batch=256,
+            config=kernels.ReduceScatterConfig()).reshape(3, 256, -1),
         out_specs=P(None, "x", None), check_vma=False)
     out = jax.eval_shape(scatter, _spec(mesh, (3, 512, 512), P(None, None, "x")),
                          _spec(mesh, (512, 256), P("x", None)))
@@ -146,7 +150,7 @@ def test_kernel_rejects_bad_input_naming_it(bad, match):
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
-                          **kwargs),
+                          config=kernels.AllGatherConfig(), **kwargs),
         out_specs=P(None, "x"), check_vma=False)
     with pytest.raises(ValueError, match=match):
       jax.eval_shape(f, _spec(mesh, (1024, 256), P("x", None), dtype),
@@ -165,7 +169,8 @@ def test_reduce_scatter_kernel_checks_its_row_layout(k, n, rows_per_batch,
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
-                          rows_per_batch=rows_per_batch),
+                          rows_per_batch=rows_per_batch,
+                          config=kernels.ReduceScatterConfig()),
         out_specs=P("x", None), check_vma=False)
     args = (_spec(mesh, (2 * 512, k), P(None, "x")),
             _spec(mesh, (k, n), P("x", None)))
@@ -174,3 +179,19 @@ def test_reduce_scatter_kernel_checks_its_row_layout(k, n, rows_per_batch,
     else:
       with pytest.raises(ValueError, match=match):
         jax.eval_shape(f, *args)
+
+
+@pytest.mark.parametrize("kernel,wrong", [
+    ("all_gather_lhs_matmul", kernels.ReduceScatterConfig()),
+    ("matmul_reduce_scatter", kernels.AllGatherConfig())])
+def test_each_kernel_takes_only_its_own_config(kernel, wrong):
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(
+        functools.partial(getattr(kernels, kernel), axis_name="x",
+                          config=wrong),
+        out_specs=P("x", None), check_vma=False)
+    with pytest.raises(TypeError, match=f"config={wrong!r}".replace(
+        "(", r"\(").replace(")", r"\)")):
+      jax.eval_shape(f, _spec(mesh, (1024, 512), P("x", None)),
+                     _spec(mesh, (512, 256), P("x", None)))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from collective_matmul.kernels import tuning
+from collective_matmul import selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,8 +21,8 @@ def _free_port():
 
 
 def _cache_with(path, tile_n):
-  key = tuning.cache_key(256, 512, 1024, "bfloat16", 4, device_kind="cpu")
-  config = tuning.AllGatherMatmulConfig(tile_m=128, tile_n=tile_n)
+  key = selection.cache_key(256, 512, 1024, "bfloat16", 4, device_kind="cpu")
+  config = selection.AllGatherConfig(tile_m=128, tile_n=tile_n)
   path.write_text(json.dumps({key: config.to_json()}))
   return str(path)
 

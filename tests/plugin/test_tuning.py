@@ -1,4 +1,5 @@
-"""kernels/tuning.py: config selection, applicability and the ring schedule.
+"""selection, kernels/configs and kernels/schedule: config selection,
+applicability, the autotune cache, config validation and the ring schedule.
 
 All pure Python (or jnp on CPU): nothing here needs a GPU.
 """
@@ -11,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from collective_matmul.kernels import tuning
+from collective_matmul import selection
+from collective_matmul.kernels import configs
+from collective_matmul.kernels import schedule
 
-Config = tuning.AllGatherMatmulConfig
+Config = configs.AllGatherConfig
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +38,9 @@ SHAPES = [(m, k, n) for m in (64, 128, 200, 1024, 4096)
 def test_select_config_fits_shared_memory(dtype, axis_size):
   itemsize = np.dtype(jnp.dtype(dtype)).itemsize
   for m, k, n in SHAPES:
-    config = tuning.select_config(m, k, n, dtype, axis_size)
+    config = selection.select_config(m, k, n, dtype, axis_size)
     assert isinstance(config, Config)
-    assert config.smem_bytes(itemsize, itemsize) <= tuning.SMEM_BYTES, (
+    assert config.smem_bytes(itemsize, itemsize) <= selection.SMEM_BYTES, (
         m, k, n, config)
 
 
@@ -45,14 +48,14 @@ def test_select_config_fits_shared_memory_for_float32_output():
   for m, k, n in SHAPES:
     for dtype in ("bfloat16", "float16"):
       for axis_size in (1, 2, 8):
-        applies = tuning.unsupported_reason(
+        applies = selection.unsupported_reason(
             platform="gpu", device_kind="NVIDIA H100", dtype=dtype, m=m, k=k,
             n=n, axis_size=axis_size, out_dtype="float32") is None
         assert applies
-        config = tuning.select_config(m, k, n, dtype, axis_size,
+        config = selection.select_config(m, k, n, dtype, axis_size,
                                       out_dtype="float32")
         smem = config.smem_bytes(np.dtype(jnp.dtype(dtype)).itemsize, 4)
-        assert smem <= tuning.SMEM_BYTES, (m, k, n, dtype, axis_size, config,
+        assert smem <= selection.SMEM_BYTES, (m, k, n, dtype, axis_size, config,
                                            smem)
 
 
@@ -60,15 +63,15 @@ def test_select_config_fits_shared_memory_for_float32_output():
 def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
   for m, k, n in SHAPES:
     for dtype in ("bfloat16", "float16"):
-      base = tuning.select_config(m, k, n, dtype, 2, out_dtype=out_dtype)
-      config = tuning.select_reduce_scatter_config(m, k, n, dtype, 2,
+      base = selection.select_config(m, k, n, dtype, 2, out_dtype=out_dtype)
+      config = selection.select_reduce_scatter_config(m, k, n, dtype, 2,
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
-      assert config.smem_bytes(2, out_itemsize) <= tuning.SMEM_BYTES
+      assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
       # Same tiles and padding as the all-gather kernel's pick.
       assert (config.tile_m, config.tile_n, config.wg_dimension) == (
           base.tile_m, base.tile_n, base.wg_dimension)
-      if config != base:
+      if config != configs.ReduceScatterConfig(**base.tile_fields()):
         # Whole warpgroup tile in the two slots, >= 3 stages left.
         assert 2 * config.epi_tile_m * config.epi_tile_n == (
             config.tile_m * config.tile_n)
@@ -79,7 +82,7 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("gap", [1, 12, 24])
 def test_partial_send_steps_fall_inside_the_k_loop(k_iters, slots, gap):
-  steps = tuning.partial_send_steps(k_iters, slots, gap)
+  steps = schedule.partial_send_steps(k_iters, slots, gap)
   assert len(steps) == slots
   assert steps[0] == 0 and all(0 <= s < k_iters for s in steps)
   assert steps == sorted(steps)
@@ -94,8 +97,8 @@ def test_partial_send_steps_fall_inside_the_k_loop(k_iters, slots, gap):
 @pytest.mark.parametrize("deferred", [True, False])
 def test_partial_announce_step_follows_the_last_send(k_iters, deferred):
   gap, slots = 24, 2
-  step = tuning.partial_announce_step(k_iters, slots, gap, deferred)
-  last_send = tuning.partial_send_steps(k_iters, slots, gap)[-1]
+  step = schedule.partial_announce_step(k_iters, slots, gap, deferred)
+  last_send = schedule.partial_send_steps(k_iters, slots, gap)[-1]
   if step is None:  # Announced after the loop: no step gap after the sends.
     assert (last_send if deferred else 0) + gap >= k_iters
   else:
@@ -106,12 +109,12 @@ def test_partial_announce_step_follows_the_last_send(k_iters, deferred):
 @pytest.mark.parametrize("pieces", [0, 3, 16])
 def test_send_pieces_must_split_the_epilogue_rows_in_multiples_of_8(pieces):
   with pytest.raises(ValueError, match="send_pieces"):
-    tuning.AllGatherMatmulConfig(epi_tile_m=64, send_pieces=pieces)
+    configs.ReduceScatterConfig(epi_tile_m=64, send_pieces=pieces)
 
 
 def test_reduce_scatter_announce_at_the_seed_shape():
   # 64 k steps of 64: sends at 0 and 24, announce at 48.
-  assert tuning.partial_announce_step(64, 2, 24, True) == 48
+  assert schedule.partial_announce_step(64, 2, 24, True) == 48
 
 
 @pytest.mark.parametrize("m,n,d,expected", [
@@ -120,16 +123,16 @@ def test_reduce_scatter_announce_at_the_seed_shape():
     (2048, 4096, 2, (2, 12)),  # Two waves per step.
     (4096, 8192, 2, (2, 12))])
 def test_reduce_scatter_send_pacing_by_waves_and_ring_size(m, n, d, expected):
-  config = tuning.select_reduce_scatter_config(m, 4096, n, "bfloat16", d)
+  config = selection.select_reduce_scatter_config(m, 4096, n, "bfloat16", d)
   assert (config.send_pieces, config.send_gap) == expected
 
 
 def test_reduce_scatter_config_at_the_seed_shape():
-  config = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
+  config = selection.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
   assert (config.epi_tile_m, config.epi_tile_n) == (64, 128)
   assert config.max_concurrent_steps == 3
   # A float32 epilogue of that size would leave 2 stages: kept narrow.
-  f32 = tuning.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2,
+  f32 = selection.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2,
                                             out_dtype="float32")
   assert (f32.epi_tile_m, f32.epi_tile_n) == (64, 64)
 
@@ -137,10 +140,10 @@ def test_reduce_scatter_config_at_the_seed_shape():
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_select_config_wastes_no_more_than_the_best_candidate(m, k, n):
   """Padding waste of the pick is minimal among the candidates it has."""
-  waste = lambda cfg: (((m + tuning.padding(cfg, m, k, n).m) *
-                        (n + tuning.padding(cfg, m, k, n).n)) / (m * n) - 1)
-  chosen = tuning.select_config(m, k, n, "bfloat16", 8)
-  best = min(waste(c) for c in tuning._candidates())  # pylint: disable=protected-access
+  waste = lambda cfg: (((m + schedule.padding(cfg, m, k, n).m) *
+                        (n + schedule.padding(cfg, m, k, n).n)) / (m * n) - 1)
+  chosen = selection.select_config(m, k, n, "bfloat16", 8)
+  best = min(waste(c) for c in selection.tile_candidates())
   assert waste(chosen) <= best + 1e-3
 
 
@@ -149,7 +152,7 @@ def test_smem_bytes_counts_pipeline_and_epilogue():
                   wg_dimension="m")
   pipeline = 3 * 64 * (256 + 64) * 2
   epilogue = 4 * 64 * 64 * 4
-  assert config.smem_bytes(2, 4) == pipeline + epilogue + tuning.SMEM_RESERVE
+  assert config.smem_bytes(2, 4) == pipeline + epilogue + configs.SMEM_RESERVE
 
 
 @pytest.mark.parametrize("wg", ["m", "n"])
@@ -167,7 +170,7 @@ def test_cta_tile_doubles_along_warpgroup_dimension(wg):
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (100, 70, 300), (128, 64, 256),
                                    (129, 65, 257), (4096, 4096, 4096)])
 def test_padding_rounds_up_to_the_tiles(config, m, k, n):
-  pad = tuning.padding(config, m, k, n)
+  pad = schedule.padding(config, m, k, n)
   for size, extra, tile in ((m, pad.m, config.cta_tile_m),
                             (k, pad.k, config.tile_k),
                             (n, pad.n, config.cta_tile_n)):
@@ -189,7 +192,7 @@ OK = dict(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
     {"out_dtype": "bfloat16"}, {"axis_size": 1},
 ], ids=str)
 def test_unsupported_reason_none_on_hopper(changes):
-  assert tuning.unsupported_reason(**{**OK, **changes}) is None
+  assert selection.unsupported_reason(**{**OK, **changes}) is None
 
 
 @pytest.mark.parametrize("changes,offender", [
@@ -204,7 +207,7 @@ def test_unsupported_reason_none_on_hopper(changes):
     ({"axis_size": 0}, "axis size 0"),
 ], ids=str)
 def test_unsupported_reason_names_the_offender(changes, offender):
-  reason = tuning.unsupported_reason(**{**OK, **changes})
+  reason = selection.unsupported_reason(**{**OK, **changes})
   assert reason is not None and offender in reason
 
 
@@ -225,23 +228,26 @@ _KK, _N_IDX = np.meshgrid(np.arange(_MAX_K, dtype=np.int32),
 
 
 def _schedule(k_iters, n_iters, spread, gap):
-  per, senders, gap = tuning.send_plan(k_iters, n_iters, spread, gap)
+  per, senders, gap = schedule.send_plan(k_iters, n_iters, spread, gap)
   scalar = lambda v: jnp.asarray(v, jnp.int32)
-  blocks = np.asarray(tuning.k_block(
+  blocks = np.asarray(schedule.k_block(
       jnp.asarray(_KK), jnp.asarray(_N_IDX), scalar(k_iters), scalar(per),
       scalar(gap)))[:n_iters, :k_iters]
-  share = np.asarray(tuning.sender_share(
+  share = np.asarray(schedule.sender_share(
       jnp.arange(_MAX_N, dtype=jnp.int32), scalar(k_iters),
       scalar(per)))[:n_iters]
+  sends_now = np.asarray(schedule.is_send_step(
+      jnp.asarray(_KK), jnp.asarray(_N_IDX), scalar(k_iters), scalar(per),
+      scalar(gap)))[:n_iters, :k_iters]
   kk, n_idx = _KK[:n_iters, :k_iters], _N_IDX[:n_iters, :k_iters]
-  return per, senders, gap, kk, n_idx, blocks, share
+  return per, senders, gap, kk, n_idx, blocks, share, sends_now
 
 
 @pytest.mark.parametrize("spread", [True, False], ids=["spread", "seed"])
 def test_k_block_is_a_permutation_and_sends_cover_k_once(spread):
   for k_iters, n_iters, requested_gap in SCHEDULES:
     case = (k_iters, n_iters, requested_gap)
-    per, senders, gap, kk, n_idx, blocks, share = _schedule(
+    per, senders, gap, kk, n_idx, blocks, share, sends_now = _schedule(
         k_iters, n_iters, spread, requested_gap)
     assert 1 <= gap <= max(requested_gap, 1), case
     # Every n-tile's pipeline visits each k block exactly once.
@@ -252,11 +258,10 @@ def test_k_block_is_a_permutation_and_sends_cover_k_once(spread):
     assert ((share > 0) == (np.arange(n_iters) < senders)).all(), case
     assert share.sum() == k_iters, case
     # The blocks sent (at steps 0, gap, 2 gap, ... < share) cover k once.
-    sends_now = (kk % gap == 0) & (kk // gap < share[n_idx])
     sent = sorted(blocks[sends_now].tolist())
     assert sent == list(range(k_iters)), (case, sent)
     # Every send happens inside the pipeline, the last at last_send_step.
-    last = np.asarray(tuning.last_send_step(
+    last = np.asarray(schedule.last_send_step(
         jnp.arange(_MAX_N, dtype=jnp.int32), jnp.int32(k_iters),
         jnp.int32(per), jnp.int32(gap)))[:n_iters]
     last_seen = np.where(sends_now, kk, -1).max(axis=1)
@@ -274,8 +279,8 @@ def test_k_block_is_a_permutation_and_sends_cover_k_once(spread):
 def test_spread_sends_start_each_slice_early():
   """With spread, every sender's first step loads its own first block."""
   for k_iters, n_iters, gap in SCHEDULES:
-    per, senders, gap, _, _, blocks, _ = _schedule(k_iters, n_iters, True,
-                                                   gap)
+    per, senders, gap, _, _, blocks, _, _ = _schedule(k_iters, n_iters,
+                                                      True, gap)
     assert per == math.ceil(k_iters / n_iters)
     for j in range(senders):
       assert blocks[j, 0] == j * per
@@ -284,7 +289,7 @@ def test_spread_sends_start_each_slice_early():
 def test_tile_coordinates_orders_steps_outermost():
   for axis_size, m_iters, n_iters in ((1, 1, 1), (2, 3, 5), (8, 4, 2)):
     linear = jnp.arange(axis_size * m_iters * n_iters, dtype=jnp.int32)
-    step, in_step = map(np.asarray, tuning.tile_coordinates(
+    step, in_step = map(np.asarray, schedule.tile_coordinates(
         linear, m_iters, n_iters))
     np.testing.assert_array_equal(step * m_iters * n_iters + in_step, linear)
     assert (0 <= in_step).all() and (in_step < m_iters * n_iters).all()
@@ -294,7 +299,7 @@ def test_tile_coordinates_orders_steps_outermost():
 def test_source_device_visits_every_shard_once():
   for axis_size in (1, 2, 3, 4, 8):
     dev = jnp.arange(axis_size, dtype=jnp.int32)
-    seen = np.stack([np.asarray(tuning.source_device(
+    seen = np.stack([np.asarray(schedule.source_device(
         dev, jnp.full_like(dev, s), axis_size)) for s in range(axis_size)])
     for row in list(seen) + list(seen.T):  # Per step and per device.
       assert sorted(row.tolist()) == list(range(axis_size))
@@ -306,67 +311,67 @@ def test_source_device_visits_every_shard_once():
 
 def test_cache_roundtrip(_private_cache):
   config = Config(tile_m=64, tile_n=128, send_gap=4, spread_sends=False)
-  assert tuning.cache_path() == str(_private_cache)
-  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+  assert selection.cache_path() == str(_private_cache)
+  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
                                    "NVIDIA H100") is None
-  path = tuning.store_cached_config(config, 256, 512, 1024, "bfloat16", 8,
+  path = selection.store_cached_config(config, 256, 512, 1024, "bfloat16", 8,
                                     "NVIDIA H100")
   assert path == str(_private_cache) and _private_cache.exists()
-  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
                                    "NVIDIA H100") == config
   # Any other key misses.
   for other in ((256, 512, 1024, "float16", 8, "NVIDIA H100"),
                 (256, 512, 1024, "bfloat16", 4, "NVIDIA H100"),
                 (256, 512, 2048, "bfloat16", 8, "NVIDIA H100"),
                 (256, 512, 1024, "bfloat16", 8, "NVIDIA H200")):
-    assert tuning.load_cached_config(*other) is None, other
+    assert selection.load_cached_config(*other) is None, other
 
 
 def test_cache_keeps_earlier_entries(_private_cache):
   first, second = Config(tile_m=64), Config(tile_n=64, send_gap=2)
-  tuning.store_cached_config(first, 1, 2, 3, "bfloat16", 2, "H100")
-  tuning.store_cached_config(second, 4, 5, 6, "bfloat16", 2, "H100")
-  assert tuning.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") == first
-  assert tuning.load_cached_config(4, 5, 6, "bfloat16", 2, "H100") == second
+  selection.store_cached_config(first, 1, 2, 3, "bfloat16", 2, "H100")
+  selection.store_cached_config(second, 4, 5, 6, "bfloat16", 2, "H100")
+  assert selection.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") == first
+  assert selection.load_cached_config(4, 5, 6, "bfloat16", 2, "H100") == second
   table = json.loads(_private_cache.read_text())
   assert len(table) == 2
 
 
 def test_select_config_prefers_cached_entry():
   m, k, n = 512, 1024, 2048
-  heuristic = tuning.select_config(m, k, n, "bfloat16", 4)
-  heuristic_d2 = tuning.select_config(m, k, n, "bfloat16", 2)
+  heuristic = selection.select_config(m, k, n, "bfloat16", 4)
+  heuristic_d2 = selection.select_config(m, k, n, "bfloat16", 2)
   tuned = dataclasses.replace(
       heuristic, send_gap=heuristic.send_gap + 3,
       max_concurrent_steps=heuristic.max_concurrent_steps - 1)
-  tuning.store_cached_config(tuned, m, k, n, "bfloat16", 4)  # Local kind.
-  assert tuning.select_config(m, k, n, "bfloat16", 4) == tuned
-  assert tuning.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
+  selection.store_cached_config(tuned, m, k, n, "bfloat16", 4)  # Local kind.
+  assert selection.select_config(m, k, n, "bfloat16", 4) == tuned
+  assert selection.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
 
 
 def test_cache_entries_of_the_two_kernels_never_mix(_private_cache):
   m, k, n = 1024, 4096, 4096
-  heuristic_rs = tuning.select_reduce_scatter_config(m, k, n, "bfloat16", 2)
+  heuristic_rs = selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2)
   tuned_ag = Config(tile_m=64, tile_n=64, send_gap=8)
-  tuning.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2)
-  assert tuning.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+  selection.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2)
+  assert selection.select_config(m, k, n, "bfloat16", 2) == tuned_ag
   # The all-gather kernel's entry is not the reduce-scatter kernel's.
-  assert tuning.select_reduce_scatter_config(m, k, n, "bfloat16",
+  assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
                                              2) == heuristic_rs
   tuned_rs = dataclasses.replace(heuristic_rs, send_gap=16)
-  tuning.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2,
+  selection.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2,
                              pattern="reduce_scatter")
-  assert tuning.select_reduce_scatter_config(m, k, n, "bfloat16",
+  assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
                                              2) == tuned_rs
-  assert tuning.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+  assert selection.select_config(m, k, n, "bfloat16", 2) == tuned_ag
   with pytest.raises(ValueError, match="pattern"):
-    tuning.cache_key(m, k, n, "bfloat16", 2, "H100", pattern="matmul")
+    selection.cache_key(m, k, n, "bfloat16", 2, "H100", pattern="matmul")
 
 
 def test_corrupt_cache_is_ignored(_private_cache):
   _private_cache.parent.mkdir(parents=True)
   _private_cache.write_text("{not json")
-  assert tuning.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") is None
+  assert selection.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") is None
 
 
 # --------------------------------------------------------- config validation
@@ -398,7 +403,7 @@ def test_kernel_config_json_roundtrip():
                                    (300, 512, 384)])
 def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
   from collective_matmul import autotuning
-  chosen = tuning.select_reduce_scatter_config(*shape, "bfloat16", 2)
+  chosen = selection.select_reduce_scatter_config(*shape, "bfloat16", 2)
   candidates = list(autotuning.candidate_configs("reduce_scatter", *shape,
                                                  dtype="bfloat16"))
   assert chosen in candidates
@@ -422,8 +427,8 @@ def test_autotune_candidates_reject_an_unknown_pattern():
 
 def test_a_cache_entry_this_version_cannot_read_is_a_miss(_private_cache):
   _private_cache.parent.mkdir(parents=True, exist_ok=True)
-  key = tuning.cache_key(256, 512, 1024, "bfloat16", 8, device_kind="H200")
+  key = selection.cache_key(256, 512, 1024, "bfloat16", 8, device_kind="H200")
   _private_cache.write_text(json.dumps({key: {"tile_m": 128,
                                               "retired_field": 3}}))
-  assert tuning.load_cached_config(256, 512, 1024, "bfloat16", 8,
+  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
                                    device_kind="H200") is None

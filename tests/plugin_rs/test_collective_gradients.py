@@ -7,6 +7,7 @@ import pytest
 
 from collective_matmul import ops
 from collective_matmul import ring
+from collective_matmul import selection
 import rs_test_utils as utils
 
 
@@ -168,7 +169,8 @@ def test_all_gather_backward_runs_the_reduce_scatter_ring(rng):
     ("pallas", "reduce_scatter", "float32", "ring"),
 ])
 def test_backward_impl(impl, collective, dtype, expected):
-  assert ops.backward_impl(impl, collective, jnp.dtype(dtype)) == expected
+  assert selection.backward_impl(impl, collective,
+                                 jnp.dtype(dtype)) == expected
 
 
 def test_backward_impl_keeps_pallas_only_where_the_kernel_exists():
@@ -176,5 +178,5 @@ def test_backward_impl_keeps_pallas_only_where_the_kernel_exists():
   for collective, name in (("all_gather", "all_gather_lhs_matmul"),
                            ("reduce_scatter", "matmul_reduce_scatter")):
     expected = "pallas" if hasattr(kernels, name) else "ring"
-    assert ops.backward_impl("pallas", collective,
-                             jnp.bfloat16) == expected
+    assert selection.backward_impl("pallas", collective,
+                                   jnp.bfloat16) == expected

@@ -1,8 +1,14 @@
-"""Hopper kernels (Pallas Mosaic GPU) and their tiling.
+"""Hopper kernels (Pallas Mosaic GPU), their configs and their schedule.
+
+Device code only, plus the pure data it needs: `configs` (the frozen
+per-kernel config classes) and `schedule` (the ring-schedule arithmetic the
+kernels trace). Nothing here imports a module of `collective_matmul` outside
+`kernels/`; which kernel, which config and whether at all is decided above,
+in `collective_matmul.selection`.
 
 The kernel modules, and with them Pallas Mosaic GPU, are imported on first
-use of their names, so `import collective_matmul` (which reads `tuning` for
-its decisions) does not import them.
+use of their names, so `import collective_matmul` (which reads `configs` and
+`schedule` for its decisions) does not import them.
 """
 import importlib
 
@@ -10,10 +16,9 @@ import importlib
 _LAZY = {
     "all_gather_lhs_matmul": "all_gather_matmul",
     "matmul_reduce_scatter": "matmul_reduce_scatter_kernel",
-    "AllGatherMatmulConfig": "tuning",
-    "select_config": "tuning",
-    "select_reduce_scatter_config": "tuning",
-    "unsupported_reason": "tuning",
+    "AllGatherConfig": "configs",
+    "ReduceScatterConfig": "configs",
+    "TileConfig": "configs",
 }
 __all__ = sorted(_LAZY)
 

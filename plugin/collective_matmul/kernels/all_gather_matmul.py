@@ -27,21 +27,20 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from collective_matmul.kernels import common
-from collective_matmul.kernels import tuning
-
-AllGatherMatmulConfig = tuning.AllGatherMatmulConfig
+from collective_matmul.kernels import schedule
+from collective_matmul.kernels.configs import AllGatherConfig
 
 
 def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
-                 axis_size, config: AllGatherMatmulConfig, m_shard, k, n,
-                 rows_per_batch):
+                 axis_size, config: AllGatherConfig, m_shard, k, n,
+                 rows_per_batch, diagnostic_loopback):
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   dtype = lhs_local_ref.dtype
   out_dtype = out_ref.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   m_iters, n_iters, k_iters = m_shard // cta_tile_m, n // cta_tile_n, k // tile_k
-  per_sender, num_senders, send_gap = tuning.send_plan(
+  per_sender, num_senders, send_gap = schedule.send_plan(
       k_iters, n_iters, config.spread_sends, config.send_gap)
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   out_transforms = common.swizzled(out_dtype, epi_n)
@@ -51,7 +50,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   wg_idx = lax.axis_index("wg")
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
-    if config.loopback_for_timing:
+    if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
     peer_scratch = plgpu.remote_ref(scratch_ref, common.peer_id(axis_name,
                                                                 send_to))
@@ -66,8 +65,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps,
-        k_order=lambda kk: tuning.k_block(kk, n_idx, k_iters, per_sender,
-                                          send_gap))
+        k_order=lambda kk: schedule.k_block(kk, n_idx, k_iters, per_sender,
+                                            send_gap))
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(ignore, ignore, jnp.int32(0)).get_allocations(
@@ -86,22 +85,22 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                    collective_axes="cluster_grid")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
-      step, in_step = tuning.tile_coordinates(linear, m_iters, n_iters)
+      step, in_step = schedule.tile_coordinates(linear, m_iters, n_iters)
       m_idx, n_idx = plgpu.planar_snake(
           in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
           config.grid_tile_width)
-      source = tuning.source_device(dev, step, axis_size)
+      source = schedule.source_device(dev, step, axis_size)
       out_rows = pl.ds(
-          tuning.output_row(m_idx * cta_tile_m, source, axis_size,
+          schedule.output_row(m_idx * cta_tile_m, source, axis_size,
                             rows_per_batch), cta_tile_m)
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
       wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
       wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
       if ring:
-        share = tuning.sender_share(n_idx, k_iters, per_sender)
+        share = schedule.sender_share(n_idx, k_iters, per_sender)
         forwards = (step < axis_size - 1) & (share > 0)
-        last_send = tuning.last_send_step(n_idx, k_iters, per_sender,
-                                          send_gap)
+        last_send = schedule.last_send_step(n_idx, k_iters, per_sender,
+                                            send_gap)
         # Announce once the last slice has had `send_gap` steps to land.
         signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
@@ -130,13 +129,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
         if ring:
           (kk,) = idxs
-          k_block = tuning.k_block(kk, n_idx, k_iters, per_sender,
-                                   send_gap)
+          k_block = schedule.k_block(kk, n_idx, k_iters, per_sender,
+                                     send_gap)
           sender = forwards & (wg_idx == 0)
-          sends_now = ((lax.rem(kk, send_gap) == 0)
-                       & (lax.div(kk, send_gap) < share))
-          sent_before = ((kk > 0) & (lax.rem(kk - 1, send_gap) == 0)
-                         & (lax.div(kk - 1, send_gap) < share))
+          sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
+                                            send_gap)
+          sent_before = (kk > 0) & schedule.is_send_step(
+              kk - 1, n_idx, k_iters, per_sender, send_gap)
 
           # The slot of step kk - 1 is released when this body returns
           # (delay_release=1): its send must have finished reading it.
@@ -182,10 +181,10 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
-                          config: AllGatherMatmulConfig | None = None,
+def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
-                          return_gathered: bool = False):
+                          return_gathered: bool = False,
+                          _diagnostic_loopback: bool = False):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
@@ -195,7 +194,8 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     lhs: local rows `[m, k]`, bf16 or f16.
     rhs: local columns `[k, n]`, same dtype.
     axis_name: mesh axis of the ring (its devices must be NVLink peers).
-    config: tiling; None picks one for the shape (`tuning.select_config`).
+    config: tiling and send pacing (`selection.select_config` picks one
+      for a shape).
     out_dtype: result dtype: lhs's (default) or float32.
     rows_per_batch: when lhs is `[b, s, k]` gathered on `s` and flattened to
       `[b * s, k]`, pass `s`: the result is then written directly in the
@@ -205,6 +205,11 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
     return_gathered: also return `all_gather(lhs)` `[D, m, k]` (blocks in
       axis-index order), assembled from the shards the ring delivered, so a
       backward pass need not gather again.
+    _diagnostic_loopback: diagnostics only, WRONG RESULTS for D > 1: every
+      device forwards to its own scratch instead of its neighbour's, so the
+      kernel does the same work without NVLink traffic (to time what the
+      link costs, `"loopback": true` in
+      `scripts/bench_kernels.py`'s config JSON).
 
   Returns:
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
@@ -214,9 +219,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
   m, k = lhs.shape
   n = rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
-  if config is None:
-    config = tuning.select_config(m, k, n, lhs.dtype, axis_size,
-                                    out_dtype=out_dtype)
+  common.check_config(config, AllGatherConfig)
   pad, rows_per_batch = common.tile_plan(config, m, k, n, lhs.dtype,
                                          out_dtype, rows_per_batch)
   if pad.any:
@@ -232,7 +235,8 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *,
   kernel = common.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
-                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch),
+                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
+                        diagnostic_loopback=_diagnostic_loopback),
       out_types)
   results = kernel(lhs, rhs)
   out = results[0]

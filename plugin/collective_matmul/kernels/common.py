@@ -6,6 +6,9 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from collective_matmul.kernels import configs
+from collective_matmul.kernels import schedule
+
 
 def num_sms() -> int:
   mesh = jax.sharding.get_abstract_mesh()
@@ -81,7 +84,6 @@ def kernel_call(body, out_types):
 
 def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs")):
   """Validates a kernel's 2-D operands; returns the result dtype."""
-  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
   a, b = names
   if lhs.ndim != 2 or rhs.ndim != 2:
     raise ValueError(f"expected 2-D {a} and {b}, got {lhs.shape}, {rhs.shape}")
@@ -90,7 +92,7 @@ def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs")):
                      f"{b} k={rhs.shape[0]}")
   if lhs.dtype != rhs.dtype:
     raise ValueError(f"dtypes differ: {a} {lhs.dtype}, {b} {rhs.dtype}")
-  if jnp.dtype(lhs.dtype).name not in tuning.KERNEL_DTYPES:
+  if jnp.dtype(lhs.dtype).name not in configs.KERNEL_DTYPES:
     raise ValueError(f"dtype {lhs.dtype} is not supported (bf16 or f16)")
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if out_dtype not in (jnp.dtype(lhs.dtype), jnp.dtype(jnp.float32)):
@@ -98,13 +100,19 @@ def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs")):
   return out_dtype
 
 
+def check_config(config, config_class):
+  """Checks that a kernel got its own config class."""
+  if not isinstance(config, config_class):
+    raise TypeError(f"config={config!r} must be a {config_class.__name__} "
+                    "(`collective_matmul.selection` picks one for a shape)")
+
+
 def check_shared_memory(config, dtype, out_dtype):
-  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
   smem = config.smem_bytes(jnp.dtype(dtype).itemsize,
                            jnp.dtype(out_dtype).itemsize)
-  if smem > tuning.SMEM_BYTES:
+  if smem > configs.SMEM_BYTES:
     raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
-                     f"than the {tuning.SMEM_BYTES} a Hopper block has")
+                     f"than the {configs.SMEM_BYTES} a Hopper block has")
 
 
 def tile_plan(config, m, k, n, dtype, out_dtype, rows_per_batch):
@@ -113,12 +121,11 @@ def tile_plan(config, m, k, n, dtype, out_dtype, rows_per_batch):
   The row run is `rows_per_batch` when it asks for the batch-major layout
   (validated against the tiles), else the padded m: one run of rows.
   """
-  from collective_matmul.kernels import tuning  # Avoids a cycle at import.
   check_shared_memory(config, dtype, out_dtype)
-  pad = tuning.padding(config, m, k, n)
+  pad = schedule.padding(config, m, k, n)
   if rows_per_batch is None or rows_per_batch == m:
     return pad, m + pad.m
-  if not tuning.supports_rows_per_batch(config, m, rows_per_batch):
+  if not schedule.supports_rows_per_batch(config, m, rows_per_batch):
     raise ValueError(
         f"rows_per_batch={rows_per_batch} must divide m={m} and be a "
         f"multiple of the CTA tile rows {config.cta_tile_m}")

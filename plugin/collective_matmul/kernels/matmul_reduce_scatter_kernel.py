@@ -42,13 +42,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from collective_matmul.kernels import common
-from collective_matmul.kernels import tuning
-
-MatmulReduceScatterConfig = tuning.AllGatherMatmulConfig
+from collective_matmul.kernels import schedule
+from collective_matmul.kernels.configs import ReduceScatterConfig
 
 
 def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
-                 config, m_block, k, n, rows_per_batch):
+                 config: ReduceScatterConfig, m_block, k, n, rows_per_batch,
+                 diagnostic_loopback):
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   dtype, out_dtype = x_ref.dtype, out_ref.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -61,7 +61,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
   if ring:
     dev = lax.axis_index(axis_name)
     send_to = lax.rem(dev + 1, axis_size)
-    if config.loopback_for_timing:  # Diagnostics only: wrong results.
+    if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
     peer_scratch = plgpu.remote_ref(scratch_ref,
                                     common.peer_id(axis_name, send_to))
@@ -92,7 +92,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
   )
   def _scope(pipeline_allocs, out_smem, received):
     def coordinates(linear):
-      step, in_step = tuning.tile_coordinates(linear, m_iters, n_iters)
+      step, in_step = schedule.tile_coordinates(linear, m_iters, n_iters)
       m_idx, n_idx = plgpu.planar_snake(
           in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
           config.grid_tile_width)
@@ -109,7 +109,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
       step, m_idx, n_idx = coordinates(linear)
-      block = tuning.reduce_scatter_block(dev, step, axis_size)
+      block = schedule.reduce_scatter_block(dev, step, axis_size)
       tile_rows = pl.ds(m_idx * cta_tile_m, cta_tile_m)
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
       wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
@@ -135,12 +135,12 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
       pieces = config.send_pieces
       piece_m = epi_m // pieces
       send_plan = [(j // pieces, j % pieces, step) for j, step in enumerate(
-          tuning.partial_send_steps(k_iters, len(epi_tiles) * pieces,
-                                    config.send_gap))]
+          schedule.partial_send_steps(k_iters, len(epi_tiles) * pieces,
+                                      config.send_gap))]
       is_last = loop_info.local_index == loop_info.num_local_steps - 1
       # Where the previous tile's partial sum is announced: inside this k
       # loop once its stores had `send_gap` steps to land, else after it.
-      announce_step = (tuning.partial_announce_step(
+      announce_step = (schedule.partial_announce_step(
           k_iters, len(send_plan), config.send_gap, defer)
                        if ring and config.early_announce else None)
       if ring:
@@ -256,8 +256,8 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         return acc_ref
 
       make_pipeline(mma_body, compute_context)(
-          x_ref.at[pl.ds(tuning.output_row(m_idx * cta_tile_m, block,
-                                           axis_size, rows_per_batch),
+          x_ref.at[pl.ds(schedule.output_row(m_idx * cta_tile_m, block,
+                                             axis_size, rows_per_batch),
                          cta_tile_m), :],
           w_ref.at[:, cta_n],
           allocations=pipeline_allocs)
@@ -265,8 +265,9 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
-                          rows_per_batch: int | None = None):
+def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
+                          out_dtype=None, rows_per_batch: int | None = None,
+                          _diagnostic_loopback: bool = False):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
@@ -276,14 +277,18 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
       bf16 or f16.
     w: `[k, n]`, the matching rows of the weight, same dtype.
     axis_name: mesh axis of the ring (NVLink peers).
-    config: tiling and send pacing (an `AllGatherMatmulConfig`: `send_gap`,
-      `send_pieces`, `spread_sends`, `early_announce`); None picks one
-      (`tuning.select_reduce_scatter_config`).
+    config: tiling and send pacing (`selection.select_reduce_scatter_config`
+      picks one for a shape).
     out_dtype: result (and partial-sum) dtype: x's (default) or float32.
     rows_per_batch: when x is `[b, D * s, k]` scattered on the middle
       dimension and flattened, pass `s`: row block d is then rows
       `[:, d * s:(d + 1) * s]` and the result is `[b, s, n]` flattened, with
       no transposes. `s` must be a multiple of the CTA tile rows.
+    _diagnostic_loopback: diagnostics only, WRONG RESULTS for D > 1: every
+      device sends its partial sums to its own scratch instead of its
+      neighbour's, so the kernel does the same work without NVLink traffic
+      (to time what the link costs, `"loopback": true` in
+      `scripts/bench_kernels.py`'s config JSON).
 
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
@@ -296,9 +301,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
                      f"devices of {axis_name!r}")
   m = rows // axis_size
-  if config is None:
-    config = tuning.select_reduce_scatter_config(m, k, n, x.dtype, axis_size,
-                                                 out_dtype=out_dtype)
+  common.check_config(config, ReduceScatterConfig)
   batch_major = rows_per_batch is not None and rows_per_batch != m
   pad, rows_per_batch = common.tile_plan(config, m, k, n, x.dtype, out_dtype,
                                          rows_per_batch)
@@ -319,7 +322,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, config=None, out_dtype=None,
   kernel = common.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_block=m_block,
-                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch),
+                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
+                        diagnostic_loopback=_diagnostic_loopback),
       out_types)
   out = kernel(x, w)[0]
   return out[:m, :n] if (pad.m or pad.n) else out

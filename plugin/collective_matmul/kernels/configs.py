@@ -1,0 +1,150 @@
+"""The kernels' tuning configurations: frozen dataclasses, validated up front.
+
+One config class per kernel on a shared tile base. Pure Python (no JAX, no
+Pallas), so the selection layer builds, stores and compares configs without
+importing the kernels. Also the hardware facts the kernels check against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# The operand dtypes the Hopper kernels take (numpy dtype names).
+KERNEL_DTYPES = ("bfloat16", "float16")
+SMEM_BYTES = 232_448  # Per-block shared memory on sm_90.
+SMEM_RESERVE = 1024  # Barriers and bookkeeping.
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tiling and pipeline of the warp-specialized matmul both kernels run.
+
+  Attributes:
+    tile_m, tile_n, tile_k: one compute warpgroup's output tile and the k
+      step of the pipeline.
+    max_concurrent_steps: shared-memory pipeline depth (>= 2).
+    wg_dimension: "n" or "m": the two compute warpgroups split the CTA tile
+      along this dimension (so the CTA tile is 2x tile along it).
+    grid_minor_dim, grid_tile_width: order of output tiles within one ring
+      step (planar snake, for L2 reuse).
+    epi_tile_m, epi_tile_n: epilogue store granularity.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  wg_dimension: str = "n"
+  grid_minor_dim: str = "m"
+  grid_tile_width: int = 8
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+
+  def __post_init__(self):
+    for value, name in ((self.tile_m, "tile_m"), (self.tile_n, "tile_n"),
+                        (self.epi_tile_m, "epi_tile_m"),
+                        (self.epi_tile_n, "epi_tile_n")):
+      if value <= 0 or value % 64:
+        raise ValueError(f"{name}={value} must be a positive multiple of 64")
+    if self.tile_k not in (32, 64, 128):
+      raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"{self.max_concurrent_steps=} must be >= 2")
+    if self.wg_dimension not in ("m", "n"):
+      raise ValueError(f"{self.wg_dimension=} must be 'm' or 'n'")
+    if self.grid_minor_dim not in ("m", "n"):
+      raise ValueError(f"{self.grid_minor_dim=} must be 'm' or 'n'")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"{self.grid_tile_width=} must be >= 1")
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      raise ValueError(
+          f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
+          f"tile {self.tile_m}x{self.tile_n}")
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (2 if self.wg_dimension == "m" else 1)
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.tile_n * (2 if self.wg_dimension == "n" else 1)
+
+  def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
+    """Shared memory the kernel allocates per block."""
+    pipeline = self.max_concurrent_steps * self.tile_k * (
+        self.cta_tile_m + self.cta_tile_n) * itemsize
+    epilogue = 2 * 2 * self.epi_tile_m * self.epi_tile_n * out_itemsize
+    return pipeline + epilogue + SMEM_RESERVE
+
+  def tile_fields(self) -> dict[str, Any]:
+    """The `TileConfig` fields of this config (to build another kernel's)."""
+    return {f.name: getattr(self, f.name)
+            for f in dataclasses.fields(TileConfig)}
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _check_send_gap(send_gap):
+  if send_gap < 1:
+    raise ValueError(f"send_gap={send_gap} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherConfig(TileConfig):
+  """The all-gather-LHS matmul kernel's config (`all_gather_lhs_matmul`).
+
+  Attributes:
+    spread_sends: every n-tile of a row block forwards its own slice of k,
+      first thing in its pipeline, so a whole block reaches the next device
+      in a fraction of a tile's time (instead of only at the end of the
+      block's first tile). False: n-tile 0 forwards the whole block.
+    send_gap: pipeline steps between two forwarded k blocks of one tile. A
+      send holds its shared-memory pipeline slot until NVLink has read it;
+      with every SM sending at once, back-to-back sends would stall the
+      pipeline on the link.
+  """
+
+  spread_sends: bool = True
+  send_gap: int = 12
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_send_gap(self.send_gap)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterConfig(TileConfig):
+  """The matmul-reduce-scatter kernel's config (`matmul_reduce_scatter`).
+
+  Attributes:
+    spread_sends: a tile's partial sum is sent during the next tile's k
+      loop, one store every `send_gap` steps, instead of all at once from
+      its epilogue (needs the whole warpgroup tile in the two epilogue
+      slots, see `selection.select_reduce_scatter_config`).
+    send_gap: pipeline steps between two stores of the previous tile's
+      partial sum (epilogue slots x `send_pieces`) sent from the next
+      tile's k loop, and between the last of them and the announcement
+      (`early_announce`).
+    send_pieces: each epilogue slot of a partial sum leaves in this many row
+      pieces, `send_gap` steps apart, so that no store holds the SM's TMA
+      unit long (a multiple-of-8-row split of `epi_tile_m`).
+    early_announce: signal a partial sum's arrival `send_gap` steps after
+      its last send, inside the next tile's k loop (`partial_announce_step`),
+      instead of after that loop, so the peer's epilogue finds it landed
+      rather than waiting for a loop that ends at the same moment as its own.
+  """
+
+  spread_sends: bool = True
+  send_gap: int = 12
+  send_pieces: int = 1
+  early_announce: bool = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_send_gap(self.send_gap)
+    if (self.send_pieces < 1 or self.epi_tile_m % self.send_pieces
+        or (self.epi_tile_m // self.send_pieces) % 8):
+      raise ValueError(
+          f"send_pieces={self.send_pieces} must split epi_tile_m="
+          f"{self.epi_tile_m} into pieces of a multiple of 8 rows")

@@ -1,0 +1,155 @@
+"""The ring schedule of both kernels: which tile, which k block, when to send.
+
+The kernels trace these same functions on their scalars (so they use only
+ops Mosaic GPU lowers); the tests run them on CPU arrays. Plain JAX: no
+Pallas, so the selection layer may use the shape rules (`padding`,
+`supports_rows_per_batch`) without importing the kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jax import lax
+import jax.numpy as jnp
+
+from collective_matmul.kernels.configs import TileConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+  """How far each local dimension is padded to fit the tiles."""
+
+  m: int
+  k: int
+  n: int
+
+  @property
+  def any(self) -> bool:
+    return bool(self.m or self.k or self.n)
+
+
+def padding(config: TileConfig, m: int, k: int, n: int) -> Padding:
+  up = lambda x, t: -x % t
+  return Padding(m=up(m, config.cta_tile_m), k=up(k, config.tile_k),
+                 n=up(n, config.cta_tile_n))
+
+
+def supports_rows_per_batch(config: TileConfig, m: int,
+                            rows_per_batch: int) -> bool:
+  """Whether the kernel can write `[b, D * s, n]` directly for this shard."""
+  return m % rows_per_batch == 0 and rows_per_batch % config.cta_tile_m == 0
+
+
+def tile_coordinates(linear, m_iters, n_iters):
+  """Linear tile index -> (ring step, tile index within the step).
+
+  Steps are outermost so every device works through step s before s + 1:
+  all waits point to strictly earlier tiles, so the ring cannot deadlock.
+  """
+  per_step = m_iters * n_iters
+  return lax.div(linear, per_step), lax.rem(linear, per_step)
+
+
+# ------------------------------------------------- all-gather kernel: sends
+
+
+def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
+  """(k blocks per sender, number of senders, steps between sends).
+
+  With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
+  block is on its way after `per` pipeline steps instead of `k_iters`.
+  Without, n-tile 0 forwards all of them (the seed's scheme).
+  """
+  if not spread:
+    return k_iters, 1, 1
+  per = math.ceil(k_iters / n_iters)
+  # Every send must fall inside the pipeline: (per - 1) * gap < k_iters.
+  gap = max(1, min(gap, (k_iters - 1) // max(per - 1, 1)))
+  return per, math.ceil(k_iters / per), gap
+
+
+def sender_share(n_idx, k_iters: int, per: int):
+  """How many k blocks n-tile `n_idx` forwards (0 for non-senders)."""
+  return jnp.minimum(jnp.maximum(k_iters - n_idx * per, 0), per)
+
+
+def is_send_step(kk, n_idx, k_iters: int, per: int, gap: int):
+  """Whether n-tile `n_idx` forwards the block it loads at pipeline step
+  `kk`: its sends fall at steps 0, gap, 2 * gap, ... while its share lasts.
+
+  The one send predicate: `k_block` places the sent blocks by it and the
+  all-gather kernel sends (and waits for its sends) by it.
+  """
+  share = sender_share(n_idx, k_iters, per)
+  return (lax.rem(kk, gap) == 0) & (lax.div(kk, gap) < share)
+
+
+def k_block(kk, n_idx, k_iters: int, per: int, gap: int):
+  """The k block a tile's pipeline loads at step `kk`: a permutation of k.
+
+  N-tile `n_idx` forwards the `share` blocks starting at `n_idx * per`; they
+  are placed at its send steps 0, gap, 2 * gap, ... (`is_send_step`, so the
+  sends are paced and the tile's own slice of the row block leaves early);
+  the other blocks fill the remaining steps in increasing order.
+  """
+  share = sender_share(n_idx, k_iters, per)
+  start = n_idx * per
+  in_share = is_send_step(kk, n_idx, k_iters, per, gap)
+  shares_so_far = jnp.minimum(lax.div(kk, gap) + 1, share)
+  other = kk - shares_so_far
+  other = jnp.where(other < start, other, other + share)
+  return jnp.where(in_share, start + lax.div(kk, gap), other)
+
+
+def last_send_step(n_idx, k_iters: int, per: int, gap: int):
+  """Pipeline step of a tile's last send (negative when it sends nothing)."""
+  return (sender_share(n_idx, k_iters, per) - 1) * gap
+
+
+def output_row(local_row, source, axis_size: int, rows_per_batch: int):
+  """Output row of `local_row` of device `source`'s shard.
+
+  The shard is `[b, s]` rows flattened (s = rows_per_batch); the output is
+  `[b, D * s]` flattened, so a row tile within one b stays contiguous.
+  """
+  batch = lax.div(local_row, rows_per_batch)
+  within = lax.rem(local_row, rows_per_batch)
+  return (batch * axis_size + source) * rows_per_batch + within
+
+
+def source_device(device, step, axis_size):
+  """Whose shard device `device` multiplies at ring step `step`."""
+  return lax.rem(device + step, axis_size)
+
+
+# --------------------------------------------- reduce-scatter kernel: sends
+
+
+def partial_send_steps(k_iters: int, slots: int, gap: int) -> list[int]:
+  """Pipeline steps at which the reduce-scatter kernel sends each of the
+  previous tile's `slots` stores (epilogue slots x `send_pieces`): 0, gap,
+  2 * gap, ..., squeezed so the last falls inside the k loop (all at step 0
+  when the loop has one step)."""
+  gap = min(gap, (k_iters - 1) // max(slots - 1, 1))
+  return [i * gap for i in range(slots)]
+
+
+def partial_announce_step(k_iters: int, slots: int, gap: int,
+                          deferred: bool) -> int | None:
+  """Pipeline step at which the reduce-scatter kernel announces the previous
+  tile's partial sum: `gap` steps after its last send (the sends left in
+  the previous epilogue when not `deferred`), or None (after the k loop)
+  when that falls outside the loop."""
+  last_send = partial_send_steps(k_iters, slots, gap)[-1] if deferred else 0
+  step = last_send + gap
+  return step if step < k_iters else None
+
+
+def reduce_scatter_block(device, step, axis_size: int):
+  """Row block whose partial sum device `device` works on at ring step `step`.
+
+  (device - step - 1) mod D: the sum for block j starts at device j + 1 and
+  moves one device on per step, ending complete on device j at step D - 1.
+  """
+  return lax.rem(device - step - 1 + 2 * axis_size, axis_size)

@@ -1,0 +1,493 @@
+"""Which implementation serves a collective matmul, and with which config.
+
+The layer between the kernels and the ops: whether the Hopper kernels apply
+(device, dtype, XLA settings, process layout), whether they pay off (the
+small-problem rule), the tile heuristics and the on-disk autotune cache, the
+device facts these read, and the one implementation decision for a forward
+pass and its backward (`choose_impl`, `backward_impl`), which the drop-in
+`dot_general` and the ops both use.
+
+Pure Python: it reads `kernels.configs` and `kernels.schedule` (no Pallas),
+so `import collective_matmul` does not import Mosaic GPU. The decision
+depends only on global facts (platform, device kind, dtype, per-shard sizes,
+flags), so every process answers the same; the per-host cache is not read
+in a multi-process program for that reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from collective_matmul.kernels.configs import AllGatherConfig
+from collective_matmul.kernels.configs import KERNEL_DTYPES
+from collective_matmul.kernels.configs import ReduceScatterConfig
+from collective_matmul.kernels.configs import SMEM_BYTES
+from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.kernels.schedule import padding
+from collective_matmul.kernels.schedule import supports_rows_per_batch
+
+__all__ = [
+    "AllGatherConfig", "ReduceScatterConfig", "KERNEL_DTYPES", "SMEM_BYTES",
+    "HOPPER_DEVICE_KINDS", "COMMAND_BUFFER_FLAG", "CACHE_PATTERNS",
+    "DeviceFacts", "device_facts", "unsupported_reason",
+    "command_buffer_reason", "process_layout_reason",
+    "prepare_xla_for_kernels", "too_small_reason", "tile_candidates",
+    "fit_shared_memory", "select_config", "select_reduce_scatter_config",
+    "cache_path", "cache_key", "load_cached_config", "store_cached_config",
+    "Verdict", "kernel_verdict", "Choice", "choose_impl", "backward_impl",
+    "padding", "supports_rows_per_batch",
+]
+
+HOPPER_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+# ---------------------------------------------------------------- device facts
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+  """What the decision reads about the machine.
+
+  platform, device_kind, num_cores: of the mesh's devices (an abstract
+  mesh's `abstract_device` when it describes them, else the first device).
+  process_count, local_device_count: of the running program.
+  """
+
+  platform: str
+  device_kind: str
+  num_cores: int
+  process_count: int = 1
+  local_device_count: int = 1
+
+
+def device_facts(mesh=None) -> DeviceFacts:
+  """The facts of `mesh`'s devices (None: the default backend's)."""
+  device = getattr(mesh, "abstract_device", None)
+  platform = getattr(device, "platform", None) or jax.default_backend()
+  kind = (getattr(device, "device_kind", None)
+          or jax.devices()[0].device_kind)
+  cores = (getattr(device, "num_cores", None)
+           or getattr(jax.devices()[0], "core_count", 132))
+  return DeviceFacts(platform=platform, device_kind=kind, num_cores=cores,
+                     process_count=jax.process_count(),
+                     local_device_count=jax.local_device_count())
+
+
+def _local_device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+# --------------------------------------------------------------- applicability
+
+
+def unsupported_reason(*, platform: str, device_kind: str, dtype, m: int,
+                       k: int, n: int, axis_size: int,
+                       out_dtype=None) -> str | None:
+  """Why the Hopper kernels cannot serve this problem, or None if they can.
+
+  Depends only on global facts (platform, device kind, dtype, per-shard
+  sizes), so every process answers the same.
+  """
+  if platform not in ("gpu", "cuda"):
+    return f"backend is {platform!r}, the kernel needs a CUDA GPU"
+  if not any(kind in device_kind for kind in HOPPER_DEVICE_KINDS):
+    return f"device {device_kind!r} is not a Hopper (sm_90a) GPU"
+  if np.dtype(dtype).name not in KERNEL_DTYPES:
+    return f"dtype {np.dtype(dtype).name} (kernel takes bf16 or f16)"
+  if out_dtype is not None and np.dtype(out_dtype).name not in (
+      np.dtype(dtype).name, "float32"):
+    return f"preferred_element_type {np.dtype(out_dtype).name}"
+  if min(m, k, n) <= 0:
+    return f"empty problem m={m} k={k} n={n}"
+  if axis_size < 1:
+    return f"axis size {axis_size}"
+  return None
+
+
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="
+
+
+def command_buffer_reason(platform: str,
+                          xla_flags: str | None = None) -> str | None:
+  """Why XLA's command buffers make the kernels unsafe here, or None.
+
+  XLA on GPU records runs of thunks into CUDA graphs and replays them. Under
+  replay the Mosaic collective kernels lose their cross-device ordering:
+  inside MaxText on 2 x H200 every step from the first replay on gave wrong
+  gradients, and with command buffers off the same run matched the baseline
+  (benchmarks/maxtext/). So the kernels run only when XLA_FLAGS switches
+  them off (`--xla_gpu_enable_command_buffer=`, as the MaxText launcher sets
+  it). `xla_flags`: XLA_FLAGS (default: the process environment, the same
+  on every process of a job).
+  """
+  if platform not in ("gpu", "cuda"):
+    return None
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  values = re.findall(re.escape(COMMAND_BUFFER_FLAG) + r"(\S*)", flags)
+  if values and values[-1].strip("'\"") == "":
+    return None
+  return ("XLA command buffers (CUDA graphs) are on, and the kernels give "
+          "wrong results under graph replay: set XLA_FLAGS="
+          f"{COMMAND_BUFFER_FLAG} to use them")
+
+
+def process_layout_reason(axis_size: int, process_count: int,
+                          local_device_count: int) -> str | None:
+  """Why the ring's devices cannot run the kernels as the program's
+  processes own them, or None.
+
+  With a ring over devices of several processes the kernel reaches its
+  peers through NCCL's `ncclGetPeerDevicePointer`, which fails with
+  NCCL 2.28.9 (`unhandled system error` at the first step, BUILD.md, issue
+  3); one process owning every device of the ring works. A process that
+  owns fewer devices than the ring has cannot own the whole ring.
+  """
+  if process_count > 1 and local_device_count < axis_size:
+    return (f"the ring over {axis_size} devices spans several processes "
+            f"({process_count} processes of {local_device_count} devices): "
+            "that path fails on NCCL 2.28.9 (BUILD.md); give each process "
+            "every GPU of its ring")
+  return None
+
+
+def prepare_xla_for_kernels() -> bool:
+  """Switches XLA's command buffers off (XLA_FLAGS), so the Hopper kernels
+  may run (see `command_buffer_reason`). Call before JAX starts its GPU
+  backend; an explicit `--xla_gpu_enable_command_buffer=...` in XLA_FLAGS
+  is left as it is.
+
+  Returns:
+    Whether XLA_FLAGS now switches command buffers off.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if COMMAND_BUFFER_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}".strip()
+  return command_buffer_reason("gpu") is None
+
+
+def too_small_reason(m: int, k: int, n: int, dtype, axis_size: int,
+                     num_sms: int = 132) -> str | None:
+  """Why overlapping does not pay for this problem, or None if it does.
+
+  When one ring step has too few output tiles to keep half the SMs busy,
+  each step's tiles wait on the previous step's data with the GPU mostly
+  idle; an NCCL all-gather followed by one cuBLAS GEMM is faster (measured
+  on 2 x H200: benchmarks/RESULTS.md).
+  """
+  config = select_config(m, k, n, dtype, axis_size, num_sms)
+  per_step = _tiles_per_step(config, m, n)
+  if axis_size > 1 and per_step < num_sms / 2:
+    return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
+            f"(local {m}x{k}x{n}): all-gather + GEMM is faster")
+  return None
+
+
+# ------------------------------------------------------------------ heuristics
+
+
+def tile_candidates():
+  """The all-gather kernel's tile shapes the heuristic (and autotuning)
+  choose from."""
+  for tile_m, tile_n, wg in ((128, 128, "n"), (128, 128, "m"),
+                             (128, 64, "n"), (64, 128, "n"), (64, 64, "n")):
+    yield AllGatherConfig(tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
+                          epi_tile_m=64, epi_tile_n=64)
+
+
+def fit_shared_memory(config: TileConfig, dtype, out_dtype=None):
+  """`config` with as many pipeline stages (<= its own) as fit, or None."""
+  itemsize = np.dtype(dtype).itemsize
+  out_itemsize = np.dtype(out_dtype or dtype).itemsize
+  for stages in range(config.max_concurrent_steps, 1, -1):
+    fitted = dataclasses.replace(config, max_concurrent_steps=stages)
+    if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
+      return fitted
+  return None
+
+
+def select_config(m: int, k: int, n: int, dtype, axis_size: int,
+                  num_sms: int = 132, out_dtype=None) -> AllGatherConfig:
+  """The all-gather kernel's config for local shards `m x k` and `k x n`.
+
+  Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`), else
+  picks by a heuristic: the largest CTA tile that needs the least padding and
+  still gives at least half the SMs work across the ring. Pipeline depth is
+  reduced where a float32 output's epilogue buffers would not fit.
+  """
+  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype, "all_gather")
+  return cached or _heuristic_config(m, k, n, dtype, axis_size, num_sms,
+                                     out_dtype)
+
+
+def _cached_fitting(m, k, n, dtype, axis_size, out_dtype, pattern):
+  cached = load_cached_config(m, k, n, dtype, axis_size, pattern=pattern)
+  return None if cached is None else fit_shared_memory(cached, dtype,
+                                                       out_dtype)
+
+
+def _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype):
+  def score(cfg: AllGatherConfig):
+    pad = padding(cfg, m, k, n)
+    waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
+    tiles = axis_size * _tiles_per_step(cfg, m, n)
+    underfill = max(0.0, 1 - tiles / (num_sms / 2))
+    area = cfg.cta_tile_m * cfg.cta_tile_n
+    return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
+
+  fitting = [c for c in map(lambda c: fit_shared_memory(c, dtype, out_dtype),
+                            tile_candidates()) if c is not None]
+  return min(fitting, key=score)
+
+
+def _tiles_per_step(cfg: TileConfig, m: int, n: int) -> int:
+  pad = padding(cfg, m, 0, n)
+  return ((m + pad.m) // cfg.cta_tile_m) * ((n + pad.n) // cfg.cta_tile_n)
+
+
+def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
+                                 num_sms: int = 132,
+                                 out_dtype=None) -> ReduceScatterConfig:
+  """The reduce-scatter kernel's config: `select_config`'s tiles with the
+  epilogue and send pacing that kernel wants.
+
+  Its epilogue stores each tile's partial sum to the next device. With the
+  whole warpgroup tile in two epilogue slots (epi tile = half the tile) an
+  epilogue never waits for NVLink to drain a slot, and the stores overlap
+  the next tile's main loop; the shared memory comes from one pipeline stage
+  (the kernel does not forward from its pipeline, so it releases slots
+  without delay and 3 stages prefetch as deep as the all-gather's 4).
+  Kept as selected when a wider epilogue would leave fewer than 3 stages.
+  An autotune cache entry for this pattern (never the all-gather kernel's)
+  takes precedence.
+
+  Send pacing: with D = 2 and a ring step's tiles in one wave, every SM
+  stores its partial sum at the same moment, and 4 row pieces 6 steps apart
+  keep each remote store short; over several waves, and at D = 4, 2 pieces
+  12 apart are best. The measurements: benchmarks/RESULTS.md (the
+  reduce-scatter kernel's "What limited it" and the 4 x H200 section).
+  """
+  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
+                           "reduce_scatter")
+  if cached is not None:
+    return cached
+  base = ReduceScatterConfig(**_heuristic_config(
+      m, k, n, dtype, axis_size, num_sms, out_dtype).tile_fields())
+  if base.tile_m % 2 or (base.tile_m // 2) % 64:
+    return base
+  one_wave = _tiles_per_step(base, m, n) <= num_sms
+  pieces, gap = (4, 6) if axis_size == 2 and one_wave else (2, 12)
+  wide = fit_shared_memory(
+      dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
+                          epi_tile_n=base.tile_n, send_gap=gap,
+                          send_pieces=pieces),
+      dtype, out_dtype)
+  if wide is None or wide.max_concurrent_steps < 3:
+    return base
+  return wide
+
+
+# --------------------------------------------------------------- autotune cache
+
+CACHE_PATTERNS = ("all_gather", "reduce_scatter")
+_CONFIG_CLASSES = {"all_gather": AllGatherConfig,
+                   "reduce_scatter": ReduceScatterConfig}
+
+
+def cache_path() -> str:
+  return os.environ.get(
+      "COLLECTIVE_MATMUL_TUNING_CACHE",
+      os.path.join(os.path.expanduser("~"), ".cache", "collective_matmul",
+                   "tuning.json"))
+
+
+def cache_key(m, k, n, dtype, axis_size, device_kind=None,
+              pattern="all_gather") -> str:
+  """Key of a cache entry; the two kernels' entries never mix."""
+  if pattern not in CACHE_PATTERNS:
+    raise ValueError(f"pattern {pattern!r} is not one of {CACHE_PATTERNS}")
+  kind = device_kind or _local_device_kind()
+  key = f"{kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+  return key if pattern == "all_gather" else f"{pattern}|{key}"
+
+
+_warned_multiprocess_cache = []
+
+
+def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
+                       pattern="all_gather"):
+  """The autotuned config of this problem for `pattern`'s kernel, or None.
+
+  None too when the program runs on several processes: each reads its own
+  host's file, and processes that chose differently would hang the ring,
+  so a per-host cache never changes a choice there. An entry this version
+  cannot read (older or newer fields) is a miss, not an error.
+  """
+  path = cache_path()
+  if not os.path.exists(path):
+    return None
+  if jax.process_count() > 1:
+    if not _warned_multiprocess_cache:
+      _warned_multiprocess_cache.append(path)
+      from absl import logging  # pylint: disable=g-import-not-at-top
+      logging.warning(
+          "collective matmul: the autotune cache %s is not used in a "
+          "multi-process program (each process would read its own host's "
+          "file); the built-in tile choice applies", path)
+    return None
+  key = cache_key(m, k, n, dtype, axis_size, device_kind, pattern)
+  try:
+    with open(path) as f:
+      entry = json.load(f).get(key)
+    return _CONFIG_CLASSES[pattern](**entry) if entry else None
+  except (OSError, ValueError, TypeError, AttributeError):
+    return None
+
+
+def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
+                        n, dtype, axis_size, device_kind=None, *,
+                        pattern=None) -> str:
+  """Stores `config` as the tuned one of its kernel (`pattern`: None, or
+  the pattern of the config's class) for this problem; returns the path."""
+  own = next(p for p, cls in _CONFIG_CLASSES.items()
+             if type(config) is cls)  # pylint: disable=unidiomatic-typecheck
+  if pattern not in (None, own):
+    raise ValueError(f"a {type(config).__name__} is the {own!r} kernel's "
+                     f"config, not the {pattern!r} kernel's")
+  path = cache_path()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  table = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      table = json.load(f)
+  table[cache_key(m, k, n, dtype, axis_size, device_kind,
+                  own)] = config.to_json()
+  with open(path + ".tmp", "w") as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+# -------------------------------------------------- the implementation decision
+
+
+class Verdict(NamedTuple):
+  """Why the Hopper kernel is not used for one collective matmul.
+
+  impl: the implementation to use instead. hard: the kernel cannot or may
+  not run (an explicit `pallas` then falls back); else it would only be
+  slower (`auto` avoids it, an explicit `pallas` still runs it).
+  """
+
+  reason: str
+  impl: str
+  hard: bool
+
+
+def kernel_verdict(collective: str, rows: int, k: int, n: int, dtype,
+                   axis_size: int, device: DeviceFacts, *, out_dtype=None,
+                   fallback_impl: str = "ring",
+                   reduce_scatter_kernel: bool = True) -> Verdict | None:
+  """Why the Hopper kernel is not used for `collective` on per-shard rows x
+  k x n (rows: before the all-gather, after the reduce-scatter), or None.
+
+  fallback_impl: where the kernel is unavailable off Hopper. On a Hopper GPU
+  that may not run it, XLA's own program (NCCL + cuBLAS) is the fast safe
+  choice.
+  """
+  # The same constraints for both kernels (per shard: rows, k, columns).
+  reason = unsupported_reason(
+      platform=device.platform, device_kind=device.device_kind, dtype=dtype,
+      m=rows, k=k, n=n, axis_size=axis_size, out_dtype=out_dtype)
+  if reason is not None:
+    return Verdict(f"pallas unavailable: {reason}", fallback_impl, True)
+  reason = (command_buffer_reason(device.platform) or
+            process_layout_reason(axis_size, device.process_count,
+                                  device.local_device_count))
+  if reason is not None:
+    return Verdict(f"pallas unavailable: {reason}", "baseline", True)
+  if collective == "reduce_scatter" and not reduce_scatter_kernel:
+    return Verdict("the reduce-scatter kernel is switched off", "baseline",
+                   True)
+  small = too_small_reason(rows, k, n, dtype, axis_size, device.num_cores)
+  if small is not None:
+    return Verdict(small, "baseline", False)
+  return None
+
+
+class Choice(NamedTuple):
+  """The implementations of a matched collective matmul and its backward.
+
+  reason: why not the Hopper kernel ("" when it is used, or not asked for);
+  is_fallback: an explicit `pallas` could not be served (strict raises).
+  """
+
+  impl: str
+  backward_impl: str
+  reason: str
+  is_fallback: bool
+
+
+def choose_impl(requested: str, collective: str, rows: int, k: int, n: int,
+                dtype, axis_size: int, device: DeviceFacts, *,
+                preferred_element_type=None, fallback_impl: str = "ring",
+                reduce_scatter_kernel: bool = True) -> Choice:
+  """The one implementation decision, forward and backward.
+
+  `auto` takes the Hopper kernel where it applies and pays off, else XLA's
+  collective + GEMM for small problems on Hopper, else `fallback_impl`; an
+  explicit `pallas` that cannot be served is a fallback. The backward's
+  collective matmul (the other collective, with k and n swapped, on the
+  forward's output dtype) is chosen the same way.
+
+  Args:
+    requested: the configured implementation (auto, pallas, ring, baseline).
+    collective: "all_gather" or "reduce_scatter": the forward's.
+    rows, k, n: per-shard sizes of the 2-D problem the kernel would see.
+    dtype: the operands' dtype.
+    axis_size: devices on the ring.
+    device: the mesh's device facts (`device_facts`).
+    preferred_element_type: the forward's result dtype, or None.
+  """
+  if requested in ("ring", "baseline"):
+    return Choice(requested, requested, "", False)
+  options = dict(fallback_impl=fallback_impl,
+                 reduce_scatter_kernel=reduce_scatter_kernel)
+  verdict = kernel_verdict(collective, rows, k, n, dtype, axis_size, device,
+                           out_dtype=preferred_element_type, **options)
+  if verdict is not None and (requested == "auto" or verdict.hard):
+    return Choice(verdict.impl, verdict.impl, verdict.reason,
+                  requested == "pallas" and verdict.hard)
+  # The backward multiplies the cotangent (the forward's output dtype) by
+  # w.T: the other collective, with k and n swapped.
+  other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
+  back = kernel_verdict(other, rows, n, k, preferred_element_type or dtype,
+                        axis_size, device, **options)
+  return Choice("pallas", "pallas" if back is None else back.impl, "", False)
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+def backward_impl(impl: str, collective: str, dtype) -> str:
+  """The implementation a backward pass uses for `collective` on `dtype`.
+
+  The forward's, except that `pallas` becomes `ring` where the Hopper
+  kernels do not take `dtype` (an f32 cotangent of an op asked for f32
+  results): the backward of a kernel-served op must not fail for it.
+
+  Args:
+    impl: the forward's implementation.
+    collective: "all_gather" or "reduce_scatter".
+    dtype: the backward operands' dtype.
+  """
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective={collective!r} is not one of {COLLECTIVES}")
+  if impl != "pallas":
+    return impl
+  return "pallas" if jnp.dtype(dtype).name in KERNEL_DTYPES else "ring"
