@@ -2,6 +2,8 @@
 
 Public API:
   dot_general, logical_dot_general: drop-in `lax.dot_general` overrides.
+  grouped_logical_dot_general, GroupMember: several projections of one
+    activation (q/k/v, wi_0/wi_1) in one collective matmul.
   einsum, logical_einsum, mesh_axes_einsum: the same as `jnp.einsum` / einsum
     ops (Flax NNX `Einsum(einsum_op=...)`, Praxis `EinsumOp`).
   all_gather_matmul, matmul_reduce_scatter: the differentiable ops, for use
@@ -20,6 +22,8 @@ from collective_matmul.einsum_override import einsum
 from collective_matmul.einsum_override import logical_einsum
 from collective_matmul.einsum_override import mesh_axes_einsum
 from collective_matmul.flags import config_from_flags
+from collective_matmul.grouping import GroupMember
+from collective_matmul.grouping import grouped_logical_dot_general
 from collective_matmul.ops import all_gather_matmul
 from collective_matmul.ops import matmul_reduce_scatter
 from collective_matmul.override import Decision

@@ -38,6 +38,10 @@ class CollectiveMatmulConfig:
     reduce_scatter_kernel: let `auto` (and the backward of a `pallas`
       all-gather matmul) use the Hopper matmul-reduce-scatter kernel; off:
       XLA's matmul + reduce-scatter there instead.
+    group_siblings: projections of one activation given together
+      (`grouped_logical_dot_general`: q/k/v, wi_0/wi_1) run as one
+      collective matmul over their concatenated weight columns, sending the
+      activation once; off: one collective matmul each.
   """
 
   enabled: bool = False
@@ -47,6 +51,7 @@ class CollectiveMatmulConfig:
   bidirectional: bool = True
   save_gathered: bool = True
   reduce_scatter_kernel: bool = True
+  group_siblings: bool = True
 
   def __post_init__(self):
     if self.impl not in IMPLEMENTATIONS:

@@ -31,6 +31,11 @@ _RS_KERNEL = flags.DEFINE_bool(
     "Use the Hopper matmul-reduce-scatter kernel where it applies (auto, and "
     "the backward of the all-gather kernel); off: XLA's instead.")
 
+_GROUP_SIBLINGS = flags.DEFINE_bool(
+    "collective_matmul_group_siblings", True,
+    "Run projections of one activation (unfused q/k/v, wi_0/wi_1) as one "
+    "collective matmul over their concatenated weights; off: one each.")
+
 
 def config_from_flags() -> config_lib.CollectiveMatmulConfig:
   """The configuration the parsed absl flags ask for.
@@ -45,7 +50,8 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
   return config_lib.CollectiveMatmulConfig(
       enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
       save_gathered=_SAVE_GATHERED.value,
-      reduce_scatter_kernel=_RS_KERNEL.value)
+      reduce_scatter_kernel=_RS_KERNEL.value,
+      group_siblings=_GROUP_SIBLINGS.value)
 
 
 def _config_if_parsed() -> config_lib.CollectiveMatmulConfig | None:

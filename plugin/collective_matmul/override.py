@@ -51,6 +51,11 @@ class Decision:
   backward_impl: str | None = None  # The backward's collective matmul.
   # Mesh axes the weight was all-gathered over before the ring (FSDP).
   weight_gathered: tuple[str, ...] = ()
+  # Every member's name when this projection ran in one collective matmul
+  # with siblings of the same activation (`grouping`), else ().
+  group: tuple[str | None, ...] = ()
+  # Why a projection given with siblings was not grouped with them.
+  group_reason: str = ""
 
   def __str__(self):
     what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
@@ -61,7 +66,13 @@ class Decision:
       what += f", backward {self.backward_impl}"
     if self.weight_gathered:
       what += f", weight gathered over {self.weight_gathered}"
+    if self.group:
+      others = [str(n).rsplit("/", 1)[-1] for n in self.group
+                if n != self.name]
+      what += f", grouped with {', '.join(others)}"
     why = f" ({self.reason})" if self.reason else ""
+    if self.group_reason:
+      why += f" (not grouped: {self.group_reason})"
     return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
             f"{self.dtype}: {what}{why}")
 
@@ -247,7 +258,6 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl, bwd_impl,
   """The matched `dot_general` as a collective op in a `shard_map`."""
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
-  rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
   if isinstance(match, patterns.ReduceScatterMatch):
     op = functools.partial(ops.matmul_reduce_scatter,
                            scatter_axis=match.out_scatter_dim)
@@ -256,13 +266,8 @@ def _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl, bwd_impl,
                            gather_axis=lhs_free.index(match.lhs_gather_dim))
 
   def body(lhs_block, rhs_block):
-    # Canonical form: x[free..., k] and w[k, n] (no-op transposes for Dense).
-    # Both sides flatten their local contracting dims in the same order.
-    x = jnp.transpose(lhs_block, lhs_free + list(lhs_contract))
-    x = x.reshape(x.shape[:len(lhs_free)] + (-1,))
-    w = jnp.transpose(rhs_block, list(rhs_contract) + rhs_free)
-    rhs_free_shape = w.shape[len(rhs_contract):]
-    w = w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1)
+    x = _canonical_lhs(lhs_block, lhs_contract)
+    w, rhs_free_shape = _canonical_rhs(rhs_block, rhs_contract)
     y = op(x, w, match.axis, impl=impl, bidirectional=cfg.bidirectional,
            precision=precision, preferred_element_type=preferred_element_type,
            save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
@@ -301,26 +306,36 @@ def _out_spec(out_sharding, out_axes, out_ndim):
   return None
 
 
-def _dot_general(lhs, rhs, dimension_numbers, precision=None,
-                 preferred_element_type=None, out_sharding=None, *,
-                 lhs_axes=None, rhs_axes=None, out_axes=None, name=None,
-                 config=None):
-  cfg = config or config_lib.get_config()
-  plain = functools.partial(_plain, lhs, rhs, dimension_numbers, precision,
-                            preferred_element_type, out_sharding)
-  if not cfg.enabled:
-    return plain()
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What the override will do with one `dot_general`, decided but not yet
+  recorded or run: left to XLA (`match` None), or rewritten as `match` says
+  with `decision.impl`. `lhs`/`rhs` are the operands as arrays."""
+
+  decision: Decision
+  fallback: bool  # A pattern found but not served as asked (strict raises).
+  lhs: jax.Array | None = None
+  rhs: jax.Array | None = None
+  match: patterns.AllGatherMatch | patterns.ReduceScatterMatch | None = None
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+
+
+def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+          out_sharding, *, lhs_axes, rhs_axes, out_axes, name, cfg,
+          group_reason="") -> _Plan:
+  """The decision for one `dot_general` with the plugin enabled.
+
+  Raises lax's own TypeError for operands `lax.dot_general` rejects.
+  """
   lhs_shape, rhs_shape = tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs))
   mode = "explicit" if lhs_axes is None else "logical"
   dtype = jnp.result_type(lhs)
   decide = functools.partial(
       Decision, name=name, lhs_shape=lhs_shape, rhs_shape=rhs_shape,
-      dtype=str(dtype), mode=mode)
+      dtype=str(dtype), mode=mode, group_reason=group_reason)
 
   def left_to_xla(reason, fallback):
-    _record(decide(rewritten=False, impl=None, reason=reason), cfg.strict,
-            fallback)
-    return plain()
+    return _Plan(decide(rewritten=False, impl=None, reason=reason), fallback)
 
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   # lax's own checks first (bad dimension numbers raise lax's TypeError),
@@ -394,12 +409,34 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None,
                        fallback=True)
   impl, bwd_impl, reason, is_fallback = _choose_impl(
       cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
-  _record(decide(rewritten=True, impl=impl, reason=reason, axis=match.axis,
-                 pattern=pattern, backward_impl=bwd_impl,
-                 weight_gathered=match.rhs_gathered), cfg.strict,
-          is_fallback)
-  out = _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl,
-                 bwd_impl, cfg, precision, preferred_element_type)
+  return _Plan(decide(rewritten=True, impl=impl, reason=reason,
+                      axis=match.axis, pattern=pattern,
+                      backward_impl=bwd_impl,
+                      weight_gathered=match.rhs_gathered),
+               is_fallback, lhs, rhs, match, mesh)
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None, *,
+                 lhs_axes=None, rhs_axes=None, out_axes=None, name=None,
+                 config=None, group_reason=""):
+  cfg = config or config_lib.get_config()
+  if not cfg.enabled:
+    return _plain(lhs, rhs, dimension_numbers, precision,
+                  preferred_element_type, out_sharding)
+  plan = _plan(lhs, rhs, dimension_numbers, precision,
+               preferred_element_type, out_sharding, lhs_axes=lhs_axes,
+               rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
+               group_reason=group_reason)
+  _record(plan.decision, cfg.strict, plan.fallback)
+  if plan.match is None:
+    return _plain(lhs, rhs, dimension_numbers, precision,
+                  preferred_element_type, out_sharding)
+  mode = plan.decision.mode
+  out = _rewrite(plan.lhs, plan.rhs, dimension_numbers, plan.match,
+                 plan.mesh, mode, plan.decision.impl,
+                 plan.decision.backward_impl, cfg, precision,
+                 preferred_element_type)
   if out_sharding is not None and mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

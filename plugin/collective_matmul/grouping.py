@@ -1,0 +1,185 @@
+"""Sibling projections of one activation in one collective matmul.
+
+Attention's unfused query, key and value, or the MLP's wi_0 and wi_1, each
+multiply the same activation. Rewritten one by one, each is a collective
+matmul of its own that sends the activation around the ring again. Given
+together to `grouped_logical_dot_general`, when all of them match the same
+all-gather pattern, they run as ONE collective matmul over their weights'
+local columns concatenated inside the `shard_map` (each device concatenates
+its own shards, so no weight moves), and the result is split back. The
+backward of that concatenation is one matmul-reduce-scatter over the
+concatenated cotangents: autodiff of concatenate/split around the op.
+
+Parameters are untouched: the kernels are concatenated at run time, on their
+values. With the plugin off every member is `lax.dot_general` on its own,
+exactly as `logical_dot_general` would run it (nothing is concatenated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from collective_matmul import config as config_lib
+from collective_matmul import ops
+from collective_matmul import override
+from collective_matmul import patterns
+
+
+class GroupMember(NamedTuple):
+  """One projection of the shared activation.
+
+  Attributes:
+    kernel: its weight, contracted with the activation as
+      `dimension_numbers` says.
+    kernel_axes: the weight's logical axis names, e.g. `('embed', 'heads')`.
+    name: labels it in the decision record.
+  """
+
+  kernel: jax.Array
+  kernel_axes: Sequence[str | None]
+  name: str | None = None
+
+
+def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
+                                dimension_numbers, precision=None,
+                                preferred_element_type=None, *,
+                                lhs_axes: Sequence[str | None],
+                                config: config_lib.CollectiveMatmulConfig
+                                | None = None) -> list[jax.Array]:
+  """`[lax.dot_general(lhs, m.kernel, dimension_numbers, ...) for m in
+  members]`, the all-gathers of `lhs` overlapped in one collective matmul.
+
+  The logical-axes form, like `logical_dot_general`: the mesh is the one set
+  with `jax.set_mesh` (or a legacy `with mesh:` block), the axis rules the
+  active Flax ones.
+
+  Args:
+    lhs: the shared activation, e.g. `[batch, length, embed]`.
+    members: `GroupMember`s, or `(kernel, kernel_axes, name)` tuples.
+    dimension_numbers: as in `lax.dot_general`, the same for every member
+      (e.g. `(((lhs.ndim - 1,), (0,)), ((), ()))` for Dense kernels).
+    precision, preferred_element_type: as in `lax.dot_general`.
+    lhs_axes: logical names of the activation's dimensions.
+    config: use this configuration instead of the active one.
+
+  Returns:
+    One result per member, in order. With `group_siblings` on, when every
+    member matches the all-gather pattern over the same mesh axis, they come
+    from one collective matmul (the record names the group); otherwise each
+    member runs as `logical_dot_general` alone, and the record says why
+    they were not grouped.
+  """
+  members = [GroupMember(m[0], tuple(m[1]), m[2] if len(m) > 2 else None)
+             for m in members]
+  lhs_axes = tuple(lhs_axes)
+  cfg = config or config_lib.get_config()
+
+  def alone(member, why=""):
+    return override._dot_general(  # pylint: disable=protected-access
+        lhs, member.kernel, dimension_numbers, precision,
+        preferred_element_type, lhs_axes=lhs_axes,
+        rhs_axes=member.kernel_axes, name=member.name, config=cfg,
+        group_reason=why)
+
+  if not cfg.enabled or len(members) < 2:
+    return [alone(m) for m in members]
+  if not cfg.group_siblings:
+    why = "grouping is switched off (--collective_matmul_group_siblings)"
+    return [alone(m, why) for m in members]
+  plans = [override._plan(  # pylint: disable=protected-access
+      lhs, m.kernel, dimension_numbers, precision, preferred_element_type,
+      None, lhs_axes=lhs_axes, rhs_axes=m.kernel_axes, out_axes=None,
+      name=m.name, cfg=cfg) for m in members]
+  names = [m.name or f"member {i}" for i, m in enumerate(members)]
+  why = _not_groupable_reason(plans, names)
+  if why is not None:
+    return [alone(m, why) for m in members]
+  return _run_group(plans, dimension_numbers, cfg, precision,
+                    preferred_element_type, tuple(m.name for m in members))
+
+
+def _not_groupable_reason(plans, names) -> str | None:
+  """Why these members cannot share one all-gather matmul, or None."""
+  first = plans[0]
+  for plan, name in zip(plans, names):
+    if plan.match is None:
+      return f"{name} is not rewritten ({plan.decision.reason})"
+    if not isinstance(plan.match, patterns.AllGatherMatch):
+      return f"{name} is a matmul + reduce-scatter, not an all-gather matmul"
+    if plan.match.axis != first.match.axis:
+      return (f"{name} gathers over {plan.match.axis!r}, {names[0]} over "
+              f"{first.match.axis!r}")
+    if (plan.match.lhs_gather_dim, plan.match.lhs_spec) != (
+        first.match.lhs_gather_dim, first.match.lhs_spec):
+      return (f"{name} gathers the activation as {plan.match.lhs_spec}, "
+              f"{names[0]} as {first.match.lhs_spec}")
+  return None
+
+
+def _group_choice(plans, dimension_numbers, cfg, preferred_element_type):
+  """The implementation for the group: chosen for the one matmul it runs,
+  the activation times the concatenated kernel `[k..., n_1 + ... + n_N]`
+  sharded on its columns."""
+  first = plans[0]
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  mesh_axis_sizes = dict(zip(first.mesh.axis_names, first.mesh.axis_sizes))
+  columns = sum(
+      math.prod(size for d, size in enumerate(plan.rhs.shape)
+                if d not in rhs_contract) for plan in plans)
+  k_dims = tuple(first.rhs.shape[d] for d in rhs_contract)
+  rhs = jax.ShapeDtypeStruct(k_dims + (columns,), first.rhs.dtype)
+  numbers = ((tuple(lhs_contract), tuple(range(len(k_dims)))), ((), ()))
+  rhs_spec = ((),) * len(k_dims) + ((first.match.axis,),)
+  match = patterns.match_all_gather_matmul(
+      first.lhs.shape, rhs.shape, numbers, first.match.lhs_spec, rhs_spec,
+      mesh_axis_sizes)
+  assert isinstance(match, patterns.AllGatherMatch), match
+  return override._choose_impl(  # pylint: disable=protected-access
+      cfg, match, first.lhs, rhs, numbers, first.mesh,
+      preferred_element_type)
+
+
+def _run_group(plans, dimension_numbers, cfg, precision,
+               preferred_element_type, names):
+  """One all-gather matmul for every plan, in one `shard_map`."""
+  impl, bwd_impl, reason, is_fallback = _group_choice(
+      plans, dimension_numbers, cfg, preferred_element_type)
+  for plan in plans:
+    override._record(  # pylint: disable=protected-access
+        dataclasses.replace(plan.decision, impl=impl, backward_impl=bwd_impl,
+                            reason=reason, group=names),
+        cfg.strict, is_fallback)
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  first = plans[0]
+  lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
+  gather_axis = lhs_free.index(first.match.lhs_gather_dim)
+
+  def body(lhs_block, *rhs_blocks):
+    x = override._canonical_lhs(  # pylint: disable=protected-access
+        lhs_block, lhs_contract)
+    ws, free_shapes = zip(*(
+        override._canonical_rhs(block, rhs_contract)  # pylint: disable=protected-access
+        for block in rhs_blocks))
+    y = ops.all_gather_matmul(
+        x, jnp.concatenate(ws, axis=1), first.match.axis,
+        gather_axis=gather_axis, impl=impl, bidirectional=cfg.bidirectional,
+        precision=precision, preferred_element_type=preferred_element_type,
+        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
+    splits = np.cumsum([w.shape[1] for w in ws])[:-1]
+    return tuple(part.reshape(part.shape[:-1] + free_shape)
+                 for part, free_shape in zip(
+                     jnp.split(y, splits, axis=-1), free_shapes))
+
+  to_p = patterns.spec_to_partition_spec
+  outs = jax.shard_map(
+      body, mesh=first.mesh,
+      in_specs=(to_p(first.match.lhs_spec),
+                *(to_p(plan.match.rhs_spec) for plan in plans)),
+      out_specs=tuple(to_p(plan.match.out_spec) for plan in plans),
+      check_vma=False)(first.lhs, *(plan.rhs for plan in plans))
+  return list(outs)
