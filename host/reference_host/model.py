@@ -1,8 +1,10 @@
 """A LLaMA-style decoder in flax.linen with MaxText's names and logical axes.
 
 Every dense layer takes the plugin's `logical_dot_general`, told the logical
-axes of its activation and kernel. With the plugin disabled that callable is
-`lax.dot_general`, so the parameters and the numbers do not depend on the flag.
+axes of its activation and kernel; the unfused projections of one activation
+(query/key/value, wi_0/wi_1) go together through `grouped_logical_dot_general`.
+With the plugin disabled both are `lax.dot_general` per layer, so the
+parameters and the numbers do not depend on the flag.
 
 Shapes: B batch, S sequence, E embed, H query heads, K kv heads, D head_dim,
 M mlp, V vocab.
@@ -95,6 +97,43 @@ def _projection(parent: nn.Module, name: str, features: int,
       dot_general=_plugin_dot_general(parent, name, lhs_axes, kernel_axes,
                                       out_axes),
       name=name)
+
+
+class ProjectionKernel(nn.Module):
+  """The kernel [in_features, features] of a bias-free projection, created
+  as `nn.Dense` creates its own (same name, shape, dtype, initialiser and so
+  the same initial values), for projections that run together
+  (`sibling_projections`)."""
+  config: config_lib.Config
+  features: int
+  kernel_axes: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, in_features: int) -> jax.Array:
+    return self.param("kernel", _kernel_init(self.kernel_axes),
+                      (in_features, self.features),
+                      _dtype(self.config.weight_dtype))
+
+
+def sibling_projections(parent: nn.Module, x: jax.Array,
+                        layers: Sequence[tuple[str, int, tuple[str, ...]]]
+                        ) -> list[jax.Array]:
+  """Bias-free dense layers of `parent` on the same input, `(name, features,
+  kernel_axes)` each, as `_projection` computes them one by one, through the
+  plugin's grouped entry point: when all of them are rewritten the same way,
+  one collective matmul sends `x` once for all of them (with the plugin off,
+  each is its own `lax.dot_general`, as in `nn.Dense`)."""
+  cfg = parent.config
+  kernels = [ProjectionKernel(cfg, features, kernel_axes, name=name)(
+      x.shape[-1]) for name, features, kernel_axes in layers]
+  x, *kernels = flax_dtypes.promote_dtype(x, *kernels,
+                                          dtype=_dtype(cfg.dtype))
+  return cm.grouped_logical_dot_general(
+      x, [(kernel, kernel_axes, _layer_name(parent, name))
+          for kernel, (name, _, kernel_axes) in zip(kernels, layers)],
+      (((x.ndim - 1,), (0,)), ((), ())),
+      precision=_PRECISION[cfg.matmul_precision],
+      lhs_axes=BLOCK_ACTIVATION_AXES)
 
 
 class FusedProjection(nn.Module):
@@ -197,12 +236,10 @@ class Attention(nn.Module):
       query = qkv[:, :, :, :group]
       key, value = qkv[:, :, :, group], qkv[:, :, :, group + 1]
     else:
-      query = _projection(self, "query", q_features, BLOCK_ACTIVATION_AXES,
-                          ("embed", "heads"))(x)
-      key = _projection(self, "key", kv_features, BLOCK_ACTIVATION_AXES,
-                        ("embed", "kv_heads"))(x)
-      value = _projection(self, "value", kv_features, BLOCK_ACTIVATION_AXES,
-                          ("embed", "kv_heads"))(x)
+      query, key, value = sibling_projections(self, x, (
+          ("query", q_features, ("embed", "heads")),
+          ("key", kv_features, ("embed", "kv_heads")),
+          ("value", kv_features, ("embed", "kv_heads"))))
     query = nn.with_logical_constraint(
         query.reshape(batch, length, cfg.num_query_heads, head_dim),
         ATTENTION_AXES)
@@ -253,10 +290,9 @@ class MlpBlock(nn.Module):
           kernel_axes=("embed", "num_activations", "mlp"), name="wi")(x)
       gate, up = fused[:, :, 0], fused[:, :, 1]
     else:
-      gate = _projection(self, "wi_0", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
-                         ("embed", "mlp"))(x)
-      up = _projection(self, "wi_1", cfg.mlp_dim, BLOCK_ACTIVATION_AXES,
-                       ("embed", "mlp"))(x)
+      gate, up = sibling_projections(self, x, (
+          ("wi_0", cfg.mlp_dim, ("embed", "mlp")),
+          ("wi_1", cfg.mlp_dim, ("embed", "mlp"))))
     hidden = nn.silu(gate) * up
     hidden = nn.with_logical_constraint(hidden, MLP_ACTIVATION_AXES)
     return _projection(self, "wo", cfg.emb_dim, MLP_ACTIVATION_AXES,
