@@ -25,12 +25,15 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import ops
 from collective_matmul import selection
+from collective_matmul.enums import Collective
+from collective_matmul.enums import Impl
 
 
 PATTERNS = selection.CACHE_PATTERNS
 
 
-def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
+def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
+                      m=None, k=None, n=None,
                       dtype=jnp.bfloat16, axis_size: int = 2):
   """The configurations autotuning tries for `pattern`.
 
@@ -39,14 +42,13 @@ def candidate_configs(pattern: str = "all_gather", m=None, k=None, n=None,
   pieces x send gap; the pacing that wins depends on how many waves a ring
   step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
   """
-  if pattern == "all_gather":
+  pattern = Collective.parse(pattern, "pattern")
+  if pattern == Collective.ALL_GATHER:
     for base in selection.tile_candidates():
       for gap in (8, 12, 16):
         for width in (4, 8):
           yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
     return
-  if pattern != "reduce_scatter":
-    raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")
   base = selection.select_reduce_scatter_config(m, k, n, dtype, axis_size)
@@ -86,7 +88,7 @@ def kernel_time_us(f, *args, iterations: int = 10):
 
 def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
              configs=None, iterations: int = 5, store: bool = True,
-             pattern: str = "all_gather"):
+             pattern: Collective | str = Collective.ALL_GATHER):
   """Finds the fastest correct config for one kernel and local shape.
 
   Args:
@@ -105,11 +107,10 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
   Returns:
     (best config, {config repr: microseconds}).
   """
-  if pattern not in PATTERNS:
-    raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+  pattern = Collective.parse(pattern, "pattern")
   d = mesh.shape[axis_name]
   key = jax.random.key(0)
-  if pattern == "all_gather":
+  if pattern == Collective.ALL_GATHER:
     shapes = ((d * m, k), (k, d * n))
     specs = (P(axis_name, None), P(None, axis_name), P(None, axis_name))
     op = ops.all_gather_matmul
@@ -130,14 +131,14 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
                             kernel_config=config),
           out_specs=specs[2], check_vma=False))
 
-    ref = np.asarray(build("ring")(a, b), np.float32)
+    ref = np.asarray(build(Impl.RING)(a, b), np.float32)
     results, best = {}, None
     if configs is None:
       configs = list(candidate_configs(pattern, m, k, n, dtype, d))
     for config in configs:
       start = time.time()
       try:
-        out, us, _ = kernel_time_us(build("pallas", config), a, b,
+        out, us, _ = kernel_time_us(build(Impl.PALLAS, config), a, b,
                                     iterations=iterations)
       except Exception as e:  # A config that does not fit is skipped.
         logging.warning("autotune: %s failed: %s", config, str(e)[:300])

@@ -11,8 +11,10 @@ import dataclasses
 import threading
 from typing import Callable, Iterator
 
-IMPLEMENTATIONS = ("auto", "pallas", "ring", "baseline")
-FALLBACK_IMPLEMENTATIONS = ("ring", "baseline")
+from collective_matmul.enums import Impl
+
+IMPLEMENTATIONS = tuple(impl.value for impl in Impl)
+FALLBACK_IMPLEMENTATIONS = (Impl.RING.value, Impl.BASELINE.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +47,19 @@ class CollectiveMatmulConfig:
   """
 
   enabled: bool = False
-  impl: str = "auto"
+  impl: Impl = Impl.AUTO
   strict: bool = False
-  fallback_impl: str = "ring"
+  fallback_impl: Impl = Impl.RING
   bidirectional: bool = True
   save_gathered: bool = True
   reduce_scatter_kernel: bool = True
   group_siblings: bool = True
 
   def __post_init__(self):
-    if self.impl not in IMPLEMENTATIONS:
-      raise ValueError(
-          f"impl={self.impl!r} is not one of {IMPLEMENTATIONS}")
-    if self.fallback_impl not in FALLBACK_IMPLEMENTATIONS:
-      raise ValueError(f"fallback_impl={self.fallback_impl!r} is not one of "
-                       f"{FALLBACK_IMPLEMENTATIONS}")
+    # Strings (flag values, code) become members here, validated once.
+    object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
+    object.__setattr__(self, "fallback_impl", Impl.parse(
+        self.fallback_impl, "fallback_impl", FALLBACK_IMPLEMENTATIONS))
 
 
 _state = threading.local()

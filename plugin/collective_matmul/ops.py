@@ -26,15 +26,17 @@ import jax.numpy as jnp
 
 from collective_matmul import ring
 from collective_matmul import selection
+from collective_matmul.enums import Collective
+from collective_matmul.enums import Impl
 
-ALL_GATHER_IMPLS = ("pallas", "ring", "baseline")
-REDUCE_SCATTER_IMPLS = ALL_GATHER_IMPLS
+# What the ops run (`auto` is the override's, resolved by `selection`).
+OP_IMPLS = (Impl.PALLAS, Impl.RING, Impl.BASELINE)
 
 
-def _check_operands(x, w, axis, axis_arg, impl, impls):
-  """Validates a collective op's local operands; `axis` is `axis_arg`'s value."""
-  if impl not in impls:
-    raise ValueError(f"impl={impl!r} is not one of {impls}")
+def _check_operands(x, w, axis, axis_arg, impl):
+  """Validates a collective op's local operands (`axis` is `axis_arg`'s
+  value); returns `impl` as an `Impl`."""
+  impl = Impl.parse(impl, "impl", OP_IMPLS)
   if x.ndim < 2 or w.ndim != 2:
     raise ValueError(f"expected x[..., k] with ndim >= 2 and w[k, n], got "
                      f"x{x.shape} and w{w.shape}")
@@ -44,13 +46,14 @@ def _check_operands(x, w, axis, axis_arg, impl, impls):
   if not 0 <= axis < x.ndim - 1:
     raise ValueError(f"{axis_arg}={axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
-  if impl == "pallas":
+  if impl == Impl.PALLAS:
     reason = _pallas_unavailable_reason(x, w)
     if reason is not None:
       raise ValueError(
           "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
           f"bf16 or f16 operands with XLA's command buffers off; here: "
           f"{reason}. Use impl='ring' (any backend) or 'baseline'.")
+  return impl
 
 
 def _pallas_unavailable_reason(x, w) -> str | None:
@@ -147,9 +150,10 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
 
 
 def _check_backward_impl(backward_impl):
-  if backward_impl is not None and backward_impl not in ALL_GATHER_IMPLS:
-    raise ValueError(f"backward_impl={backward_impl!r} is not None or one of "
-                     f"{ALL_GATHER_IMPLS}")
+  """`backward_impl` as an `Impl`, or None."""
+  if backward_impl is None:
+    return None
+  return Impl.parse(backward_impl, "backward_impl", OP_IMPLS)
 
 
 def _contract_leading(a, b, precision):
@@ -167,12 +171,12 @@ def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
                             precision, preferred_element_type, kernel_config,
                             return_gathered=False):
   """The product, or `(product, all_gather(x))` with `return_gathered`."""
-  if impl == "baseline":
+  if impl == Impl.BASELINE:
     return ring.baseline_all_gather_matmul(
         x, w, axis_name, gather_axis=gather_axis, precision=precision,
         preferred_element_type=preferred_element_type,
         return_gathered=return_gathered)
-  if impl == "ring":
+  if impl == Impl.RING:
     return ring.ring_all_gather_matmul(
         x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
         precision=precision, preferred_element_type=preferred_element_type,
@@ -187,11 +191,11 @@ def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
 def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
                                 bidirectional, precision,
                                 preferred_element_type, kernel_config):
-  if impl == "baseline":
+  if impl == Impl.BASELINE:
     return ring.baseline_matmul_reduce_scatter(
         x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
         preferred_element_type=preferred_element_type)
-  if impl == "ring":
+  if impl == Impl.RING:
     return ring.ring_matmul_reduce_scatter(
         x, w, axis_name, scatter_axis=scatter_axis,
         bidirectional=bidirectional, precision=precision,
@@ -218,20 +222,20 @@ class _Static:
 
   axis_name: Any
   axis: int
-  impl: str
+  impl: Impl
   bidirectional: bool
   precision: Any
   preferred_element_type: Any
   kernel_config: Any
   save_gathered: bool
-  backward_impl: str | None
+  backward_impl: Impl | None
 
   def forward_args(self):
     """The `_*_impl` functions' arguments after the operands."""
     return (self.axis_name, self.axis, self.impl, self.bidirectional,
             self.precision, self.preferred_element_type, self.kernel_config)
 
-  def backward(self, collective: str, dtype) -> str:
+  def backward(self, collective: Collective, dtype) -> Impl:
     """The backward's implementation of `collective` on `dtype`."""
     return selection.backward_impl(self.backward_impl or self.impl,
                                    collective, dtype)
@@ -260,7 +264,8 @@ def _all_gather_matmul_bwd(static: _Static, residuals, dy):
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx = _matmul_reduce_scatter_impl(
       dy_b, w_t, static.axis_name, static.axis,
-      static.backward("reduce_scatter", dy_b.dtype), static.bidirectional,
+      static.backward(Collective.REDUCE_SCATTER, dy_b.dtype),
+      static.bidirectional,
       static.precision, x_dtype, None)
   gathered = x_or_gathered if static.save_gathered else lax.all_gather(
       x_or_gathered, static.axis_name, axis=static.axis, tiled=True)
@@ -288,7 +293,8 @@ def _matmul_reduce_scatter_bwd(static: _Static, residuals, dy):
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx_and_maybe_gathered = _all_gather_matmul_impl(
       dy_b, w_t, static.axis_name, static.axis,
-      static.backward("all_gather", dy_b.dtype), static.bidirectional,
+      static.backward(Collective.ALL_GATHER, dy_b.dtype),
+      static.bidirectional,
       static.precision, x.dtype, None, return_gathered=static.save_gathered)
   if static.save_gathered:
     dx, gathered_dy = dx_and_maybe_gathered
@@ -305,10 +311,11 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
-                      impl: str = "ring", bidirectional: bool = True,
+                      impl: Impl | str = Impl.RING,
+                      bidirectional: bool = True,
                       precision=None, preferred_element_type=None,
                       kernel_config=None, save_gathered: bool = True,
-                      backward_impl: str | None = None):
+                      backward_impl: Impl | str | None = None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
@@ -340,18 +347,19 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
-  _check_operands(x, w, gather_axis, "gather_axis", impl, ALL_GATHER_IMPLS)
-  _check_backward_impl(backward_impl)
+  impl = _check_operands(x, w, gather_axis, "gather_axis", impl)
+  backward_impl = _check_backward_impl(backward_impl)
   return _all_gather_matmul(x, w, _Static(
       axis_name, gather_axis, impl, bidirectional, precision,
       preferred_element_type, kernel_config, save_gathered, backward_impl))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
-                          impl: str = "ring", bidirectional: bool = True,
+                          impl: Impl | str = Impl.RING,
+                          bidirectional: bool = True,
                           precision=None, preferred_element_type=None,
                           kernel_config=None, save_gathered: bool = True,
-                          backward_impl: str | None = None):
+                          backward_impl: Impl | str | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
   tiled=True)`, overlapped.
 
@@ -390,9 +398,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
     over the axis, on device d.
   """
-  _check_operands(x, w, scatter_axis, "scatter_axis", impl,
-                  REDUCE_SCATTER_IMPLS)
-  _check_backward_impl(backward_impl)
+  impl = _check_operands(x, w, scatter_axis, "scatter_axis", impl)
+  backward_impl = _check_backward_impl(backward_impl)
   return _matmul_reduce_scatter(x, w, _Static(
       axis_name, scatter_axis, impl, bidirectional, precision,
       preferred_element_type, kernel_config, save_gathered, backward_impl))

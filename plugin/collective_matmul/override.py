@@ -25,6 +25,7 @@ from collective_matmul import config as config_lib
 from collective_matmul import ops
 from collective_matmul import patterns
 from collective_matmul import selection
+from collective_matmul.enums import Collective
 
 SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
                                          jnp.float16, jnp.float64)))
@@ -223,9 +224,9 @@ def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
   """(impl, backward impl, reason, is_fallback) for a matched pattern: the
   configured implementation, resolved by `selection.choose_impl` from the
   per-shard sizes and the mesh's device facts."""
-  collective = ("reduce_scatter"
+  collective = (Collective.REDUCE_SCATTER
                 if isinstance(match, patterns.ReduceScatterMatch)
-                else "all_gather")
+                else Collective.ALL_GATHER)
   rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
   return selection.choose_impl(
       cfg.impl, collective, rows, k, n, lhs.dtype, match.axis_size,
@@ -394,8 +395,9 @@ def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
           not patterns.contraction_is_sharded(dimension_numbers, *specs)):
         match = all_gather_miss
       return left_to_xla(match.reason, match.fallback)
-  pattern = ("reduce_scatter" if isinstance(match, patterns.ReduceScatterMatch)
-             else "all_gather")
+  pattern = (Collective.REDUCE_SCATTER
+             if isinstance(match, patterns.ReduceScatterMatch)
+             else Collective.ALL_GATHER)
   (lhs_contract, rhs_contract), _ = dimension_numbers
   if jnp.result_type(rhs) != dtype:
     return left_to_xla(f"operand dtypes differ: lhs {dtype}, rhs "

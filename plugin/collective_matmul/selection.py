@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from collective_matmul.enums import Collective
+from collective_matmul.enums import Impl
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import KERNEL_DTYPES
 from collective_matmul.kernels.configs import ReduceScatterConfig
@@ -220,7 +222,8 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   still gives at least half the SMs work across the ring. Pipeline depth is
   reduced where a float32 output's epilogue buffers would not fit.
   """
-  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype, "all_gather")
+  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
+                           Collective.ALL_GATHER)
   return cached or _heuristic_config(m, k, n, dtype, axis_size, num_sms,
                                      out_dtype)
 
@@ -273,7 +276,7 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   reduce-scatter kernel's "What limited it" and the 4 x H200 section).
   """
   cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
-                           "reduce_scatter")
+                           Collective.REDUCE_SCATTER)
   if cached is not None:
     return cached
   base = ReduceScatterConfig(**_heuristic_config(
@@ -294,9 +297,10 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
 
 # --------------------------------------------------------------- autotune cache
 
-CACHE_PATTERNS = ("all_gather", "reduce_scatter")
-_CONFIG_CLASSES = {"all_gather": AllGatherConfig,
-                   "reduce_scatter": ReduceScatterConfig}
+# A cache entry's pattern: the kernel (collective) it configures.
+CACHE_PATTERNS = tuple(c.value for c in Collective)
+_CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
+                   Collective.REDUCE_SCATTER: ReduceScatterConfig}
 
 
 def cache_path() -> str:
@@ -307,20 +311,20 @@ def cache_path() -> str:
 
 
 def cache_key(m, k, n, dtype, axis_size, device_kind=None,
-              pattern="all_gather") -> str:
+              pattern=Collective.ALL_GATHER) -> str:
   """Key of a cache entry; the two kernels' entries never mix."""
-  if pattern not in CACHE_PATTERNS:
-    raise ValueError(f"pattern {pattern!r} is not one of {CACHE_PATTERNS}")
+  pattern = Collective.parse(pattern, "pattern")
   kind = device_kind or _local_device_kind()
   key = f"{kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
-  return key if pattern == "all_gather" else f"{pattern}|{key}"
+  return (key if pattern == Collective.ALL_GATHER
+          else f"{pattern.value}|{key}")
 
 
 _warned_multiprocess_cache = []
 
 
 def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
-                       pattern="all_gather"):
+                       pattern=Collective.ALL_GATHER):
   """The autotuned config of this problem for `pattern`'s kernel, or None.
 
   None too when the program runs on several processes: each reads its own
@@ -340,6 +344,7 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
           "multi-process program (each process would read its own host's "
           "file); the built-in tile choice applies", path)
     return None
+  pattern = Collective.parse(pattern, "pattern")
   key = cache_key(m, k, n, dtype, axis_size, device_kind, pattern)
   try:
     with open(path) as f:
@@ -356,9 +361,9 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
   the pattern of the config's class) for this problem; returns the path."""
   own = next(p for p, cls in _CONFIG_CLASSES.items()
              if type(config) is cls)  # pylint: disable=unidiomatic-typecheck
-  if pattern not in (None, own):
-    raise ValueError(f"a {type(config).__name__} is the {own!r} kernel's "
-                     f"config, not the {pattern!r} kernel's")
+  if pattern is not None and Collective.parse(pattern, "pattern") != own:
+    raise ValueError(f"a {type(config).__name__} is the {own.value!r} "
+                     f"kernel's config, not the {pattern!r} kernel's")
   path = cache_path()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   table = {}
@@ -385,13 +390,13 @@ class Verdict(NamedTuple):
   """
 
   reason: str
-  impl: str
+  impl: Impl
   hard: bool
 
 
-def kernel_verdict(collective: str, rows: int, k: int, n: int, dtype,
+def kernel_verdict(collective: Collective, rows: int, k: int, n: int, dtype,
                    axis_size: int, device: DeviceFacts, *, out_dtype=None,
-                   fallback_impl: str = "ring",
+                   fallback_impl: Impl = Impl.RING,
                    reduce_scatter_kernel: bool = True) -> Verdict | None:
   """Why the Hopper kernel is not used for `collective` on per-shard rows x
   k x n (rows: before the all-gather, after the reduce-scatter), or None.
@@ -410,13 +415,13 @@ def kernel_verdict(collective: str, rows: int, k: int, n: int, dtype,
             process_layout_reason(axis_size, device.process_count,
                                   device.local_device_count))
   if reason is not None:
-    return Verdict(f"pallas unavailable: {reason}", "baseline", True)
-  if collective == "reduce_scatter" and not reduce_scatter_kernel:
-    return Verdict("the reduce-scatter kernel is switched off", "baseline",
-                   True)
+    return Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True)
+  if collective == Collective.REDUCE_SCATTER and not reduce_scatter_kernel:
+    return Verdict("the reduce-scatter kernel is switched off",
+                   Impl.BASELINE, True)
   small = too_small_reason(rows, k, n, dtype, axis_size, device.num_cores)
   if small is not None:
-    return Verdict(small, "baseline", False)
+    return Verdict(small, Impl.BASELINE, False)
   return None
 
 
@@ -427,15 +432,16 @@ class Choice(NamedTuple):
   is_fallback: an explicit `pallas` could not be served (strict raises).
   """
 
-  impl: str
-  backward_impl: str
+  impl: Impl
+  backward_impl: Impl
   reason: str
   is_fallback: bool
 
 
-def choose_impl(requested: str, collective: str, rows: int, k: int, n: int,
-                dtype, axis_size: int, device: DeviceFacts, *,
-                preferred_element_type=None, fallback_impl: str = "ring",
+def choose_impl(requested: Impl | str, collective: Collective | str,
+                rows: int, k: int, n: int, dtype, axis_size: int,
+                device: DeviceFacts, *, preferred_element_type=None,
+                fallback_impl: Impl | str = Impl.RING,
                 reduce_scatter_kernel: bool = True) -> Choice:
   """The one implementation decision, forward and backward.
 
@@ -447,34 +453,35 @@ def choose_impl(requested: str, collective: str, rows: int, k: int, n: int,
 
   Args:
     requested: the configured implementation (auto, pallas, ring, baseline).
-    collective: "all_gather" or "reduce_scatter": the forward's.
+    collective: the forward's (all_gather or reduce_scatter).
     rows, k, n: per-shard sizes of the 2-D problem the kernel would see.
     dtype: the operands' dtype.
     axis_size: devices on the ring.
     device: the mesh's device facts (`device_facts`).
     preferred_element_type: the forward's result dtype, or None.
   """
-  if requested in ("ring", "baseline"):
+  requested = Impl.parse(requested, "impl")
+  collective = Collective.parse(collective, "collective")
+  if requested in (Impl.RING, Impl.BASELINE):
     return Choice(requested, requested, "", False)
-  options = dict(fallback_impl=fallback_impl,
+  options = dict(fallback_impl=Impl.parse(fallback_impl, "fallback_impl"),
                  reduce_scatter_kernel=reduce_scatter_kernel)
   verdict = kernel_verdict(collective, rows, k, n, dtype, axis_size, device,
                            out_dtype=preferred_element_type, **options)
-  if verdict is not None and (requested == "auto" or verdict.hard):
+  if verdict is not None and (requested == Impl.AUTO or verdict.hard):
     return Choice(verdict.impl, verdict.impl, verdict.reason,
-                  requested == "pallas" and verdict.hard)
+                  requested == Impl.PALLAS and verdict.hard)
   # The backward multiplies the cotangent (the forward's output dtype) by
   # w.T: the other collective, with k and n swapped.
-  other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
-  back = kernel_verdict(other, rows, n, k, preferred_element_type or dtype,
-                        axis_size, device, **options)
-  return Choice("pallas", "pallas" if back is None else back.impl, "", False)
+  back = kernel_verdict(collective.transpose, rows, n, k,
+                        preferred_element_type or dtype, axis_size, device,
+                        **options)
+  return Choice(Impl.PALLAS, Impl.PALLAS if back is None else back.impl, "",
+                False)
 
 
-COLLECTIVES = ("all_gather", "reduce_scatter")
-
-
-def backward_impl(impl: str, collective: str, dtype) -> str:
+def backward_impl(impl: Impl | str, collective: Collective | str,
+                  dtype) -> Impl:
   """The implementation a backward pass uses for `collective` on `dtype`.
 
   The forward's, except that `pallas` becomes `ring` where the Hopper
@@ -483,11 +490,12 @@ def backward_impl(impl: str, collective: str, dtype) -> str:
 
   Args:
     impl: the forward's implementation.
-    collective: "all_gather" or "reduce_scatter".
+    collective: the backward's collective (all_gather or reduce_scatter).
     dtype: the backward operands' dtype.
   """
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective={collective!r} is not one of {COLLECTIVES}")
-  if impl != "pallas":
+  impl = Impl.parse(impl, "impl")
+  Collective.parse(collective, "collective")
+  if impl != Impl.PALLAS:
     return impl
-  return "pallas" if jnp.dtype(dtype).name in KERNEL_DTYPES else "ring"
+  return (Impl.PALLAS if jnp.dtype(dtype).name in KERNEL_DTYPES
+          else Impl.RING)

@@ -13,6 +13,7 @@ PACKAGE_DIR = os.path.dirname(collective_matmul.__file__)
 # Lowest first. A module imports only modules of strictly lower layers, at
 # module level or inside a function ("" is the package's __init__).
 LAYERS = [
+    {"enums"},
     {"kernels.configs"},
     {"kernels.schedule"},
     {"kernels.common"},

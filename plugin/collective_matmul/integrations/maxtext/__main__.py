@@ -20,6 +20,7 @@ from absl import app
 import jax
 
 import collective_matmul as cm
+from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -71,7 +72,7 @@ def _kernels_may_run(argv: Sequence[str]) -> bool:
       on = False
     elif name in ("--collective_matmul_impl", "-collective_matmul_impl"):
       impl = value
-  return bool(on) and impl in (None, "auto", "pallas")
+  return bool(on) and impl in (None, Impl.AUTO, Impl.PALLAS)
 
 
 def run() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from collective_matmul.enums import Collective
+
 # The decoder's residual stream between blocks (llama2/mistral decoder layer
 # `activation_axis_names`): rows sharded over data/fsdp (batch) and
 # tensor_sequence (sequence).
@@ -44,8 +46,9 @@ class Projection:
   out_axes: tuple[str, ...] | None = None
 
   @property
-  def pattern(self) -> str:
-    return "all_gather" if self.out_axes is None else "reduce_scatter"
+  def pattern(self) -> Collective:
+    return (Collective.ALL_GATHER if self.out_axes is None
+            else Collective.REDUCE_SCATTER)
 
 
 PROJECTIONS = tuple(Projection(*p) for p in (

@@ -1,0 +1,62 @@
+"""The closed vocabularies (Impl, Collective): strings in, members out,
+validated in one place, and still strings wherever they were strings."""
+import json
+
+import pytest
+
+import collective_matmul as cm
+from collective_matmul import selection
+from collective_matmul.enums import Collective
+from collective_matmul.enums import Impl
+
+
+@pytest.mark.parametrize("value", ["ring", Impl.RING])
+def test_parse_accepts_the_string_and_the_member(value):
+  assert Impl.parse(value, "impl") is Impl.RING
+
+
+@pytest.mark.parametrize("value", ["cuda", "Ring", None, 3])
+def test_parse_names_the_field_and_the_choices(value):
+  with pytest.raises(ValueError, match=rf"impl={value!r} is not one of "
+                     r"\('auto', 'pallas', 'ring', 'baseline'\)"):
+    Impl.parse(value, "impl")
+
+
+def test_parse_restricted_to_allowed_members():
+  assert Impl.parse("baseline", "fallback_impl",
+                    ("ring", "baseline")) is Impl.BASELINE
+  with pytest.raises(ValueError, match=r"fallback_impl='pallas' is not one "
+                     r"of \('ring', 'baseline'\)"):
+    Impl.parse("pallas", "fallback_impl", ("ring", "baseline"))
+
+
+def test_members_are_their_strings():
+  assert Impl.PALLAS == "pallas" and str(Impl.PALLAS) == "pallas"
+  assert f"{Collective.REDUCE_SCATTER}" == "reduce_scatter"
+  assert repr(Impl.AUTO) == "'auto'"
+  assert json.dumps({Impl.RING: [Collective.ALL_GATHER]}) == (
+      '{"ring": ["all_gather"]}')
+  assert {"ring": 1}[Impl.RING] == 1
+
+
+def test_the_backward_runs_the_other_collective():
+  assert Collective.ALL_GATHER.transpose is Collective.REDUCE_SCATTER
+  assert Collective.REDUCE_SCATTER.transpose is Collective.ALL_GATHER
+
+
+def test_config_normalises_strings_to_members():
+  config = cm.CollectiveMatmulConfig(impl="pallas", fallback_impl="baseline")
+  assert config.impl is Impl.PALLAS and config.fallback_impl is Impl.BASELINE
+  assert config == cm.CollectiveMatmulConfig(impl=Impl.PALLAS,
+                                             fallback_impl=Impl.BASELINE)
+  with pytest.raises(ValueError, match="fallback_impl='auto'"):
+    cm.CollectiveMatmulConfig(fallback_impl="auto")
+
+
+def test_selection_takes_strings_at_its_boundary():
+  assert selection.backward_impl("pallas", "all_gather",
+                                 "float32") is Impl.RING
+  with pytest.raises(ValueError, match="collective='all_reduce'"):
+    selection.backward_impl("ring", "all_reduce", "float32")
+  with pytest.raises(ValueError, match="pattern='matmul'"):
+    selection.cache_key(1, 2, 3, "bfloat16", 2, "H100", pattern="matmul")
