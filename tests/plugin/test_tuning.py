@@ -432,3 +432,34 @@ def test_a_cache_entry_this_version_cannot_read_is_a_miss(_private_cache):
                                               "retired_field": 3}}))
   assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
                                    device_kind="H200") is None
+
+
+# ------------------------------------------------- autotuning's narrow catch
+
+
+@pytest.mark.parametrize("error,skipped", [
+    (ValueError("Mosaic GPU kernel exceeds available shared memory: "
+                "smem_bytes=300000 > max_smem_bytes=232448"), True),
+    (ValueError("Ran out of shared memory."), True),
+    (ValueError("AllGatherConfig(...) needs 300000 bytes of shared memory, "
+                "more than the 232448 a Hopper block has"), True),
+    (ValueError("contraction sizes differ"), False),
+    (RuntimeError("exceeds available shared memory"), False),
+    (TypeError("bad config"), False),
+], ids=str)
+def test_autotune_skips_only_shared_memory_overflows(error, skipped):
+  from collective_matmul import autotuning
+  assert autotuning.does_not_fit(error) == skipped
+
+
+def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
+  """On CPU the timing itself fails: that is an error, not a config that
+  does not fit (before, every candidate was skipped and the cause lost)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  with pytest.raises(Exception) as info:
+    autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
+                        configs=[Config()], iterations=1, store=False)
+  assert "no candidate ran" not in str(info.value)
