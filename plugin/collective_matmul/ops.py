@@ -321,7 +321,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
   dx = reduce_scatter(dy @ w.T) with `matmul_reduce_scatter` and the same
-  `impl` (`pallas` becomes `ring` where that kernel is missing).
+  `impl` (`pallas` becomes `ring` where the cotangent is not bf16/f16).
 
   Args:
     x: local activation shard `[..., k]`; `gather_axis` is the leading
@@ -366,7 +366,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
   dx = all_gather(dy) @ w.T with `all_gather_matmul`'s implementation and
-  the same `impl` (`pallas` becomes `ring` where that kernel is missing).
+  the same `impl` (`pallas` becomes `ring` where the cotangent is not
+  bf16/f16).
 
   Args:
     x: local activation `[..., k]`: every row, and this device's slice of

@@ -173,10 +173,7 @@ def test_backward_impl(impl, collective, dtype, expected):
                                  jnp.dtype(dtype)) == expected
 
 
-def test_backward_impl_keeps_pallas_only_where_the_kernel_exists():
-  from collective_matmul import kernels
-  for collective, name in (("all_gather", "all_gather_lhs_matmul"),
-                           ("reduce_scatter", "matmul_reduce_scatter")):
-    expected = "pallas" if hasattr(kernels, name) else "ring"
-    assert selection.backward_impl("pallas", collective,
-                                   jnp.bfloat16) == expected
+def test_backward_keeps_pallas_for_both_kernels_on_their_dtypes():
+  for collective in ("all_gather", "reduce_scatter"):
+    for dtype in (jnp.bfloat16, jnp.float16):
+      assert selection.backward_impl("pallas", collective, dtype) == "pallas"
