@@ -160,3 +160,34 @@ def test_a_checkpoint_restores_with_the_flag_flipped(first, then):
   assert sorted(resumed.losses) == [3], resumed.losses  # Restored step 2.
   assert abs(resumed.losses[3] - runs[first].losses[3]) <= (
       LOSS_RTOL["bf16"] * runs[first].losses[3])
+
+
+# ------------------------------------------------------ sibling projections
+
+
+def _line(run_, name):
+  hits = [l for l in run_.decision_lines() if l.startswith(name + " ")]
+  # One line: a sibling served by its group records no second decision.
+  assert len(hits) == 1, f"{name} in the decision record:\n{run_.stdout}"
+  return hits[0]
+
+
+@pytest.mark.parametrize("model,mesh", [("llama2-7b", "ts4_data2"),
+                                        ("llama3-8b", "ts2_data2_fsdp2")])
+def test_siblings_run_grouped_with_the_stock_losses(model, mesh):
+  a = ring(model, mesh)
+  assert "grouped with key, value" in _line(a, "attention/query")
+  assert "grouped with query, key" in _line(a, "attention/value")
+  assert "grouped with wi_1" in _line(a, "mlp/wi_0")
+  assert "grouped" not in _line(a, "mlp/wo")
+  assert_losses_close(a, stock(model, mesh), LOSS_RTOL["bf16"])
+
+
+def test_siblings_switched_off_run_alone_with_the_same_losses():
+  a = run("llama2-7b-ts4_data2-bf16-ring-ungrouped",
+          plugin=RING + ("--nocollective_matmul_group_siblings",))
+  for name in ("attention/query", "attention/key", "mlp/wi_1"):
+    line = _line(a, name)
+    assert "grouped with" not in line, line
+    assert "not grouped: grouping is switched off" in line, line
+  assert_losses_close(a, stock("llama2-7b", "ts4_data2"), LOSS_RTOL["bf16"])

@@ -9,7 +9,10 @@ which are left alone), so that at trace time the dot_general of a known
 projection in a training graph becomes `collective_matmul.
 logical_dot_general` with the activation's and result's logical axes from
 `projections.PROJECTIONS`. Everything else takes MaxText's own code, and the
-decision record says why. Nothing is patched at parameter creation, so the
+decision record says why. Sibling projections of one activation (Attention's
+query/key/value in self-attention, MlpBlock's wi_0/wi_1) run as one grouped
+collective matmul at the first one's dot (`_sibling_group`); the later ones'
+dots are served its results. Nothing is patched at parameter creation, so the
 parameter tree, initial values and checkpoints are MaxText's; with the
 plugin off (the configuration read at trace time) every call is MaxText's
 original function, so the program is bit-identical to stock MaxText.
@@ -18,15 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import inspect
 import threading
 from typing import Any, Callable, Iterator
 
+import jax
 from jax import lax
 import jax.numpy as jnp
 
 from collective_matmul import config as config_lib
+from collective_matmul import grouping
 from collective_matmul import override
 from collective_matmul.integrations.maxtext import projections
 
@@ -45,9 +51,14 @@ _EXPECTED_PARAMETERS = (
     ("linears", "DenseGeneral.__call__", "exactly", (
         "self", "inputs", "_initializing", "out_sharding", "slice_bounds")),
     ("linears", "MlpBlock.__init__", "at least", ("model_mode",)),
-    ("attentions", "Attention.__call__", "at least", ("model_mode",)),
+    ("attentions", "Attention.__call__", "at least", (
+        "inputs_q", "inputs_kv", "model_mode", "shared_key",
+        "shared_value")),
 )
 _TRAIN = "train"  # maxtext.common.common_types.MODEL_MODE_TRAIN
+# The DenseGeneral attributes of an owner that project the same activation,
+# in the order MaxText 0.2.5 calls them: the first one's dot runs the group.
+_SIBLINGS = {"attention": ("query", "key", "value"), "mlp": ("wi_0", "wi_1")}
 
 
 class MaxTextVersionError(RuntimeError):
@@ -59,6 +70,17 @@ class _Frame:
   kind: str  # "mlp", "attention", "moe" or "dense".
   module: Any
   model_mode: str | None = None
+  # "dense": the array DenseGeneral was called with.
+  inputs: Any = None
+  # "attention": called with inputs_q is inputs_kv and no shared key/value,
+  # so query, key and value project the same array.
+  self_attention: bool = False
+  # Owners: results of a sibling group for the later siblings' dots, by
+  # attribute name: (result, the call it was computed for, the array the
+  # first sibling's DenseGeneral was called with).
+  group_results: dict[str, tuple[Any, "_Captured", Any]] = (
+      dataclasses.field(default_factory=dict))
+  group_reason: str = ""  # Owners: why the siblings were not grouped.
 
 
 _local = threading.local()
@@ -153,25 +175,38 @@ def install() -> str:
     return version
   linears, attentions, moe = _maxtext_modules()
 
-  def owner_call(kind, mode_of):
+  def owner_call(kind, mode_of, details=lambda args, kwargs: {}):
     def make(original):
       def call(self, *args, **kwargs):
-        with _entered(_Frame(kind, self, mode_of(self, kwargs))):
+        with _entered(_Frame(kind, self, mode_of(self, kwargs),
+                             **details(args, kwargs))):
           return original(self, *args, **kwargs)
       call.__wrapped__ = original
       return call
     return make
 
+  def argument(args, kwargs, index, name):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+  def attention_details(args, kwargs):
+    same = (argument(args, kwargs, 0, "inputs_q") is
+            argument(args, kwargs, 1, "inputs_kv"))
+    shared = (kwargs.get("shared_key") is not None or
+              kwargs.get("shared_value") is not None)
+    return {"self_attention": same and not shared}
+
   _patch(linears.MlpBlock, "__call__", owner_call(
       "mlp", lambda self, kw: getattr(self, "model_mode", None) or _TRAIN))
   _patch(attentions.Attention, "__call__", owner_call(
-      "attention", lambda self, kw: kw.get("model_mode", _TRAIN)))
+      "attention", lambda self, kw: kw.get("model_mode", _TRAIN),
+      attention_details))
   for name in ("RoutedMoE", "RoutedAndSharedMoE"):
     if hasattr(moe, name):
       _patch(getattr(moe, name), "__call__", owner_call(
           "moe", lambda self, kw: None))
   _patch(linears.DenseGeneral, "__call__", owner_call(
-      "dense", lambda self, kw: None))
+      "dense", lambda self, kw: None,
+      lambda args, kw: {"inputs": argument(args, kw, 0, "inputs")}))
   _patch(linears, "_compute_dot_general_nnx", _make_dot_general_nnx)
   return version
 
@@ -237,6 +272,16 @@ def _make_dot_general_nnx(original):
                       act_calibration_method=act_calibration_method)
 
     stack = _stack()
+    captured = getattr(_local, "captured", None)
+    if captured is not None:  # `_capture_call`: note the call, stand in.
+      captured.append(_Captured(
+          inputs, kernel, tuple(axis), tuple(contract_ind), matmul_precision,
+          *_not_served_reason(stack, inputs, kernel, quant_dot_general,
+                              kernel_scale, native_fp8_compute)))
+      result = jax.eval_shape(functools.partial(
+          lax.dot_general, dimension_numbers=captured[-1].dimension_numbers),
+          inputs, kernel)
+      return jnp.zeros(result.shape, result.dtype)
     if (not config_lib.get_config().enabled or not stack or
         stack[-1].kind != "dense"):
       return maxtext_path()
@@ -248,12 +293,148 @@ def _make_dot_general_nnx(original):
           name, f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
           rhs_shape=jnp.shape(kernel), dtype=jnp.result_type(inputs))
       return maxtext_path()
-    dot_general = override.logical_dot_general(
-        projection.activation_axes, projection.kernel_axes,
-        out_axes=projection.out_axes, name=name)
-    return dot_general(inputs, kernel, ((tuple(axis), tuple(contract_ind)),
-                                        ((), ())),
-                       precision=lax.Precision(matmul_precision))
+    call = _Captured(inputs, kernel, tuple(axis), tuple(contract_ind),
+                     matmul_precision, None, projection, name)
+    result, group_reason = _sibling_group(stack, call)
+    if result is not None:
+      return result
+    return override._dot_general(  # pylint: disable=protected-access
+        inputs, kernel, call.dimension_numbers,
+        lax.Precision(matmul_precision),
+        lhs_axes=projection.activation_axes, rhs_axes=projection.kernel_axes,
+        out_axes=projection.out_axes, name=name, group_reason=group_reason)
 
   dot_general_nnx.__wrapped__ = original
   return dot_general_nnx
+
+
+# ------------------------------------------------------- sibling projections
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+  """One DenseGeneral's call of `_compute_dot_general_nnx`, as MaxText made
+  it, and what the adapter makes of it (`_not_served_reason`)."""
+
+  inputs: Any
+  kernel: Any
+  axis: tuple[int, ...]
+  contract_ind: tuple[int, ...]
+  matmul_precision: Any
+  reason: str | None
+  projection: projections.Projection | None
+  name: str
+
+  @property
+  def dimension_numbers(self):
+    return (self.axis, self.contract_ind), ((), ())
+
+  def signature(self):
+    """What a served call must share with the call the group computed."""
+    return (self.dimension_numbers, self.matmul_precision,
+            jnp.shape(self.inputs), jnp.result_type(self.inputs),
+            jnp.shape(self.kernel), jnp.result_type(self.kernel))
+
+
+def _sibling_group(stack, call: _Captured):
+  """(result, "") when the innermost DenseGeneral's `call` is served by its
+  siblings' group; else (None, why its siblings were not grouped, or "" when
+  it has none).
+
+  The first sibling's dot runs the group and keeps the later ones' results
+  in the owner's frame; a later sibling's dot takes its result when its
+  call is the one the group computed, on the same input.
+  """
+  dense = stack[-1]
+  owner = next((f for f in reversed(stack[:-1]) if f.kind != "dense"), None)
+  siblings = _present_siblings(owner)
+  attr = _attribute_name(owner.module, dense.module) if siblings else None
+  if attr not in siblings:
+    return None, ""
+  if attr in owner.group_results:
+    result, planned, group_input = owner.group_results.pop(attr)
+    if call.signature() != planned.signature():
+      return None, "its dot_general is not the one the group computed"
+    if dense.inputs is group_input:
+      return result, ""
+    # Attention.__call__ (MaxText 0.2.5, pinned by SUPPORTED_MAXTEXT_
+    # VERSIONS) passes inputs_q and inputs_kv, here one array, through the
+    # same sharding constraint (`_maybe_shard_with_logical(x,
+    # input_axis_names)`) straight to the projections: equal values in two
+    # tracers.
+    if (owner.kind == "attention" and owner.self_attention and
+        jnp.shape(dense.inputs) == jnp.shape(group_input) and
+        jnp.result_type(dense.inputs) == jnp.result_type(group_input)):
+      return result, ""
+    return None, "its input is not provably the group's"
+  if attr != siblings[0]:
+    return None, owner.group_reason
+  result, owner.group_reason = _run_sibling_group(owner, dense, siblings,
+                                                  call)
+  return result, owner.group_reason
+
+
+def _present_siblings(owner) -> tuple[str, ...]:
+  """The owner's sibling DenseGenerals that exist (MaxText drops `value`
+  with share_kv_projections, and key/value with share_kv_layer)."""
+  if owner is None or owner.kind not in _SIBLINGS:
+    return ()
+  linears, _, _ = _maxtext_modules()
+  present = tuple(a for a in _SIBLINGS[owner.kind] if isinstance(
+      getattr(owner.module, a, None), linears.DenseGeneral))
+  return present if len(present) > 1 else ()
+
+
+def _run_sibling_group(owner, dense, siblings, call: _Captured):
+  """At the first sibling's dot: (its result, "") from one grouped
+  collective matmul, the later siblings' results kept in `owner`; or (None,
+  why not)."""
+  if not config_lib.get_config().group_siblings:
+    return None, "grouping is switched off (--collective_matmul_group_siblings)"
+  if owner.kind == "attention" and not owner.self_attention:
+    return None, ("query and key/value project different arrays (not "
+                  "self-attention, or a shared key/value)")
+  calls = [call]
+  for attr in siblings[1:]:
+    sibling, why = _capture_call(getattr(owner.module, attr), dense.inputs)
+    if why is not None:
+      return None, f"{owner.kind}/{attr}: {why}"
+    if sibling.reason is not None:
+      return None, f"{sibling.name} is left to MaxText ({sibling.reason})"
+    if (sibling.projection.activation_axes, sibling.dimension_numbers,
+        sibling.matmul_precision) != (call.projection.activation_axes,
+                                      call.dimension_numbers,
+                                      call.matmul_precision):
+      return None, f"{sibling.name} contracts another way than {call.name}"
+    if (jnp.shape(sibling.inputs), jnp.result_type(sibling.inputs)) != (
+        jnp.shape(call.inputs), jnp.result_type(call.inputs)):
+      return None, f"{sibling.name} casts the input to another dtype"
+    calls.append(sibling)
+  results = grouping.grouped_logical_dot_general(
+      call.inputs, [(c.kernel, c.projection.kernel_axes, c.name)
+                    for c in calls],
+      call.dimension_numbers, lax.Precision(call.matmul_precision),
+      lhs_axes=call.projection.activation_axes)
+  for attr, sibling, result in zip(siblings[1:], calls[1:], results[1:]):
+    owner.group_results[attr] = (result, sibling, dense.inputs)
+  return results[0], ""
+
+
+def _capture_call(dense_general, inputs):
+  """(the `_Captured` call MaxText's own `DenseGeneral.__call__` makes on
+  `inputs`, None), or (None, why not).
+
+  The sibling's kernel is then exactly what its own call will contract with
+  (read, cast and gathered by MaxText's code); the stand-in result of this
+  call is discarded, and jit drops it.
+  """
+  _local.captured = captured = []
+  try:
+    dense_general(inputs)
+  except (TypeError, ValueError) as e:
+    return None, f"does not take the same input ({e})"
+  finally:
+    _local.captured = None
+  if len(captured) != 1:
+    return None, f"made {len(captured)} dot_generals, expected 1"
+  return captured[0], None
