@@ -1,4 +1,5 @@
-"""Loaded before every test folder's conftest: 8 emulated CPU devices.
+"""Loaded before every test folder's conftest: 8 emulated CPU devices, the
+one session seed, and a clean plugin state per test.
 
 XLA reads XLA_FLAGS once, when JAX first initialises a backend, so this must
 happen before any conftest or test module imports JAX (the GPU suite's
@@ -8,7 +9,7 @@ affects the CPU host platform.
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                 ""):
+                                                                ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
 
@@ -17,3 +18,67 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
 # collective_matmul.selection.command_buffer_reason).
 if "--xla_gpu_enable_command_buffer=" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_enable_command_buffer="
+
+import zlib  # pylint: disable=g-import-not-at-top
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
+
+# One fresh seed per session (printed in the header and on failure), so
+# inputs change between runs; CM_TEST_SEED=<n> replays a run. Every test
+# folds in its own id, so no two tests share their random inputs.
+_SESSION_SEED = int(os.environ.get(
+    "CM_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+
+
+def pytest_report_header(config):
+  del config
+  return f"collective_matmul tests: CM_TEST_SEED={_SESSION_SEED}"
+
+
+def pytest_configure(config):
+  del config
+  assert jax.device_count("cpu") >= 8, (
+      "XLA_FLAGS was set too late: JAX was imported before conftest.py")
+
+
+def _test_seed(request) -> int:
+  print(f"{request.node.nodeid}: CM_TEST_SEED={_SESSION_SEED}")
+  return (_SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)
+
+
+class Keys:
+  """Distinct jax.random keys: `keys()` returns a new one on every call."""
+
+  def __init__(self, base):
+    self._base = base
+    self._count = 0
+
+  def __call__(self):
+    self._count += 1
+    return jax.random.fold_in(self._base, self._count)
+
+
+@pytest.fixture
+def keys(request):
+  """jax.random keys of this test, from the session seed."""
+  return Keys(jax.random.key(_test_seed(request)))
+
+
+@pytest.fixture
+def rng(request):
+  """A numpy random generator of this test, from the session seed."""
+  return np.random.default_rng(_test_seed(request))
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_state():
+  """Every test starts with an empty decision record and no configuration
+  set in code (so the default, or parsed flags, apply)."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  cm.clear_decisions()
+  cm.set_config(None)
+  yield
+  cm.set_config(None)
+  cm.clear_decisions()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import TOLERANCE, assert_close, max_rel_error
-from plugin_test_utils import mesh_1d, normal, put, reference
+from cm_test_utils import TOLERANCE, assert_close, max_rel_error
+from cm_test_utils import mesh_1d, normal, put, reference
 
 # (name, local x shape from D and k, gather_axis): 2-D rows, 3-D batch, 3-D seq.
 LAYOUTS = {

@@ -16,7 +16,7 @@ import pytest
 import collective_matmul as cm
 from collective_matmul import patterns
 import maxtext_rules as mt
-from plugin_test_utils import TOLERANCE, assert_close, normal
+from cm_test_utils import TOLERANCE, assert_close, normal
 
 DN3 = (((2,), (0,)), ((), ()))        # x[b, s, e] @ w[e, f]
 DN_OUT = (((2, 3), (0, 1)), ((), ()))  # o[b, s, h, d] @ w[h, d, e]
@@ -176,7 +176,7 @@ def test_mlp_forward_and_grad_match_xla_on_maxtext_meshes(mesh_sizes, dtype,
 
 def test_explicit_mode_gathers_an_fsdp_weight_and_drops_size_one_axes(keys):
   from jax.sharding import PartitionSpec as P
-  from plugin_test_utils import DN_LAST, put, reference
+  from cm_test_utils import DN_LAST, put, reference
   mesh = jax.make_mesh((2, 4, 1), ("data", "tensor", "unused"),
                        axis_types=(AxisType.Explicit,) * 3)
   x = put(normal(keys(), (4, 16, 32), "float32"), mesh,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_1d
-from plugin_test_utils import mesh_2d, normal, put, reference
+from cm_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_1d
+from cm_test_utils import mesh_2d, normal, put, reference
 
 
 def _run_explicit(mesh, x, w, dn, impl="ring", with_plain=True, **kwargs):

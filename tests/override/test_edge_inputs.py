@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import mesh_1d, mesh_2d, put
+from cm_test_utils import mesh_1d, mesh_2d, put
 
 DN = (((1,), (0,)), ((), ()))
 

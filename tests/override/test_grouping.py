@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import TOLERANCE, assert_close, compiled_hlo
-from plugin_test_utils import hlo_diff, mesh_2d, normal
+from cm_test_utils import TOLERANCE, assert_close, compiled_hlo
+from cm_test_utils import hlo_diff, mesh_2d, normal
 
 RULES = (("batch", "data"), ("length", "tensor"), ("heads", "tensor"),
          ("kv_heads", "tensor"), ("mlp", "tensor"))

@@ -5,8 +5,8 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_2d
-from plugin_test_utils import normal, put, reference
+from cm_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_2d
+from cm_test_utils import normal, put, reference
 
 # (x spec, expected output spec): batch on data + seq on tensor, seq only,
 # batch over ('data', 'tensor') with tensor minor.

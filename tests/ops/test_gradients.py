@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, assert_close, mesh_1d, mesh_2d
-from plugin_test_utils import normal, put
+from cm_test_utils import DN_LAST, assert_close, mesh_1d, mesh_2d
+from cm_test_utils import normal, put
 
 # (mesh factory, x shape, x spec, w shape, w spec, out spec, einsum).
 CASES = {

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import TOLERANCE, assert_close, mesh_1d, mesh_2d
-from plugin_test_utils import normal, put
-from plugin_test_utils import compiled_hlo, hlo_diff, normalized_hlo
+from cm_test_utils import TOLERANCE, assert_close, mesh_1d, mesh_2d
+from cm_test_utils import normal, put
+from cm_test_utils import compiled_hlo, hlo_diff, normalized_hlo
 
 # name: (mesh, equation, x shape, x spec, w shape, w spec, out_sharding,
 #        pattern, numpy equation for the reference (no ellipsis)).

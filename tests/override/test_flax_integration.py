@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import TOLERANCE, assert_close, mesh_1d, mesh_2d
-from plugin_test_utils import normal, put
+from cm_test_utils import TOLERANCE, assert_close, mesh_1d, mesh_2d
+from cm_test_utils import normal, put
 
 CASES = {
     # mesh, x shape, x spec, kernel spec, output spec

@@ -6,7 +6,7 @@ import pytest
 
 from collective_matmul import ops
 from collective_matmul import ring
-import rs_test_utils as utils
+import cm_test_utils as utils
 
 
 def _operands(rng, data, tensor, ndim, scatter_axis, dtype):
@@ -36,7 +36,7 @@ def test_ring_equals_baseline_and_numpy(rng, data, tensor, ndim,
     out = utils.sharded(fn, mesh, in_specs, out_spec,
                         scatter_axis=scatter_axis, **kwargs)(x, w)
     assert out.dtype == jnp.dtype(dtype), (fn.__name__, kwargs)
-    utils.assert_close(out, expected, dtype=dtype)
+    utils.assert_close_to_scale(out, expected, dtype=dtype)
 
 
 @pytest.mark.parametrize("tensor", [3, 5])
@@ -51,7 +51,8 @@ def test_odd_rings_sum_every_block_once(rng, tensor):
   out = utils.sharded(ring.ring_matmul_reduce_scatter, mesh,
                       (P(None, "tensor"), P("tensor", None)),
                       P("tensor", None))(x, w)
-  utils.assert_close(out, utils.exact(x) @ utils.exact(w), dtype="float32")
+  utils.assert_close_to_scale(out, utils.exact(x) @ utils.exact(w),
+                              dtype="float32")
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -79,8 +80,8 @@ def test_preferred_element_type_sets_result_dtype(rng):
     out = utils.sharded(fn, mesh, in_specs, out_spec,
                         preferred_element_type=jnp.float32)(x, w)
     assert out.dtype == jnp.float32
-    utils.assert_close(out, utils.exact(x) @ utils.exact(w),
-                       dtype="bfloat16")
+    utils.assert_close_to_scale(out, utils.exact(x) @ utils.exact(w),
+                                dtype="bfloat16")
 
 
 def test_rows_not_divisible_by_axis_size_is_rejected(rng):

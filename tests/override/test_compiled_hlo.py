@@ -6,8 +6,8 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, mesh_1d, mesh_2d, normal, put
-from plugin_test_utils import compiled_hlo, hlo_diff, normalized_hlo
+from cm_test_utils import DN_LAST, mesh_1d, mesh_2d, normal, put
+from cm_test_utils import compiled_hlo, hlo_diff, normalized_hlo
 
 CASES = {
     "1d_rows": (lambda: mesh_1d(4), (16, 32), P("x", None), P(None, "x"),

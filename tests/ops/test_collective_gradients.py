@@ -8,7 +8,7 @@ import pytest
 from collective_matmul import ops
 from collective_matmul import ring
 from collective_matmul import selection
-import rs_test_utils as utils
+import cm_test_utils as utils
 
 
 def _loss_and_grads(fn, mesh, in_specs, out_spec, cotangent, **kwargs):
@@ -56,14 +56,14 @@ def _assert_same_loss(actual, expected, cotangent, k):
   # A scalar has no spread to scale by: use the size of the terms summed,
   # |y| ~ sqrt(k) times |cotangent|, so a loss near zero is no false alarm.
   scale = float(np.sqrt(k) * np.sum(np.abs(np.asarray(cotangent))))
-  utils.assert_close(actual, utils.exact(expected), dtype="float32",
-                     scale=scale)
+  utils.assert_close_to_scale(actual, utils.exact(expected),
+                              dtype="float32", scale=scale)
 
 
 def _assert_same(actual, expected, dtype):
   for a, e in zip(actual, expected):
     assert a.dtype == e.dtype
-    utils.assert_close(a, utils.exact(e), dtype=dtype)
+    utils.assert_close_to_scale(a, utils.exact(e), dtype=dtype)
 
 
 @pytest.mark.parametrize("data,tensor", utils.MESH_SHAPES)

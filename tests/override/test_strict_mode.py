@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, assert_close, mesh_1d, normal, put
-from plugin_test_utils import reference
+from cm_test_utils import DN_LAST, assert_close, mesh_1d, normal, put
+from cm_test_utils import reference
 
 
 def _operands(keys, lhs_dtype="bfloat16", rhs_dtype="bfloat16",

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from plugin_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_2d
-from plugin_test_utils import normal, put, reference
+from cm_test_utils import DN_LAST, TOLERANCE, assert_close, mesh_2d
+from cm_test_utils import normal, put, reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*context manager has been deprecated:DeprecationWarning")

@@ -1,0 +1,164 @@
+"""The one helper module of the tests: meshes, inputs, references, the
+tolerances and the compiled-program helpers (the seed fixtures `keys` and
+`rng` are in conftest.py)."""
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+
+DN_LAST = lambda ndim: (((ndim - 1,), (0,)), ((), ()))  # x[..., k] @ w[k, n]
+
+
+def mesh_1d(d, axis_type=AxisType.Explicit, name="x"):
+  return jax.make_mesh((d,), (name,), devices=jax.devices()[:d],
+                       axis_types=(axis_type,))
+
+
+def mesh_2d(shape, axis_type=AxisType.Explicit):
+  return jax.make_mesh(shape, ("data", "tensor"),
+                       devices=jax.devices()[:shape[0] * shape[1]],
+                       axis_types=(axis_type, axis_type))
+
+
+def normal(key, shape, dtype):
+  return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
+
+
+def reference(x, w):
+  """float64 `x[..., k] @ w[k, n]` of the (possibly bf16) inputs."""
+  return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+def max_rel_error(out, ref):
+  """Largest elementwise error relative to the largest reference entry.
+
+  Stricter than a norm ratio: a single wrong entry of typical size counts
+  fully, so a misplaced block can't hide among correct ones.
+  """
+  out = np.asarray(out, np.float64)
+  assert out.shape == ref.shape, (out.shape, ref.shape)
+  assert np.isfinite(out).all()
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def assert_close(out, ref, rel):
+  err = max_rel_error(out, ref)
+  assert err <= rel, f"max error {err:.3g} of max |ref| exceeds {rel:.3g}"
+
+
+# One table for every comparison: float32 results agree to rounding; bf16
+# inputs and partial sums to a few percent, which a misplaced, missing or
+# doubled row block (off by about the data's magnitude) never meets.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
+def put(array, mesh, spec):
+  """`array` placed on `mesh` with partition spec `spec`."""
+  return jax.device_put(array, jax.sharding.NamedSharding(mesh, spec))
+
+
+def compiled_hlo(mesh, f, *args, **config) -> str:
+  """The compiled program of `jax.jit(f)(*args)` on `mesh` with the plugin's
+  configuration `config` (a fresh function object per configuration: jit's
+  cache does not key on it)."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  with jax.set_mesh(mesh), cm.config_context(**config):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def normalized_hlo(text: str) -> str:
+  """The program without names and debug info that differ by caller only.
+
+  Drops the module name, the FileNames/FunctionNames/FileLocations/
+  StackFrames tables (source locations of the Python callers) and every
+  instruction's metadata={...} (op_name and stack frame ids). Instructions,
+  shapes, shardings, collectives and fusions are kept.
+  """
+  text = re.sub(r"^HloModule \S+,", "HloModule M,", text, flags=re.M)
+  text = re.sub(r"\nFileNames\n.*?\n\n(?=%|ENTRY)", "\n", text, flags=re.S)
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def hlo_diff(reference: str, other: str, names=("reference", "other")) -> str:
+  """The unified diff of two compiled programs, normalized; empty if the
+  same program."""
+  return "\n".join(difflib.unified_diff(
+      normalized_hlo(reference).splitlines(),
+      normalized_hlo(other).splitlines(), *names, lineterm=""))
+
+
+# --------------------------- shard_map helpers of the collective-op tests
+
+# (data, tensor) mesh shapes: 1-D rings of D devices and the 2-D meshes.
+MESH_SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2))
+
+
+def mesh(data: int, tensor: int, axis_type=AxisType.Auto):
+  """A ("data", "tensor") mesh over the first data * tensor devices."""
+  return jax.make_mesh((data, tensor), ("data", "tensor"),
+                       devices=jax.devices()[:data * tensor],
+                       axis_types=(axis_type,) * 2)
+
+
+def cast(array: np.ndarray, dtype) -> jax.Array:
+  return jnp.asarray(array, jnp.float32).astype(dtype)
+
+
+def exact(array) -> np.ndarray:
+  """The value an array holds, in float64, for references."""
+  return np.asarray(jnp.asarray(array, jnp.float32), np.float64)
+
+
+def assert_close_to_scale(actual, expected, *, dtype, scale=None):
+  """Elementwise equal within `TOLERANCE[dtype]`, relative to each entry and
+  to the data's magnitude: a misplaced or missing row block is off by about
+  `scale` and fails."""
+  actual, expected = exact(actual), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  scale = float(np.std(expected)) if scale is None else scale
+  tolerance = TOLERANCE[jnp.dtype(dtype).name]
+  np.testing.assert_allclose(actual, expected, rtol=tolerance,
+                             atol=tolerance * scale)
+
+
+def reduce_scatter_specs(ndim: int, scatter_axis: int):
+  """shard_map specs for x[..., F@tensor] @ w[F@tensor, E] -> rows over
+  tensor on `scatter_axis`, with batch (dim 0) over data."""
+  x_spec = ["data"] + [None] * (ndim - 2) + ["tensor"]
+  out_spec = ["data"] + [None] * (ndim - 1)
+  if scatter_axis == 0:
+    out_spec[0] = ("data", "tensor")
+  else:
+    out_spec[scatter_axis] = "tensor"
+  return (P(*x_spec), P("tensor", None)), P(*out_spec)
+
+
+def all_gather_specs(ndim: int, gather_axis: int):
+  """shard_map specs for x[B@data, S@tensor, E] @ w[E, F@tensor] (rows
+  gathered over tensor on `gather_axis`)."""
+  x_spec = ["data"] + [None] * (ndim - 1)
+  if gather_axis == 0:
+    x_spec[0] = ("data", "tensor")
+  else:
+    x_spec[gather_axis] = "tensor"
+  out_spec = ["data"] + [None] * (ndim - 2) + ["tensor"]
+  return (P(*x_spec), P(None, "tensor")), P(*out_spec)
+
+
+def sharded(fn, the_mesh, in_specs, out_spec, **kwargs):
+  """`fn(x, w, 'tensor', **kwargs)` as a jitted shard_map over the mesh."""
+  body = functools.partial(fn, axis_name="tensor", **kwargs)
+  return jax.jit(jax.shard_map(body, mesh=the_mesh, in_specs=in_specs,
+                               out_specs=out_spec, check_vma=False))
+
+
+def count_ops(hlo_text: str, op: str) -> int:
+  """How many `op` instructions (sync or async start) a compiled HLO has."""
+  return len(re.findall(rf"= \S+ {op}(-start)?\(", hlo_text))
