@@ -34,20 +34,17 @@ from collective_matmul.kernels.configs import AllGatherConfig
 def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                  axis_size, config: AllGatherConfig, m_shard, k, n,
                  rows_per_batch, diagnostic_loopback):
+  """The shared skeleton (`common.ring_tile_loop`) with the all-gather's
+  hooks: a tile past step 0 waits for its row block, and its pipeline
+  forwards the block's k slices to the next device as it loads them."""
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
-  dtype = lhs_local_ref.dtype
-  out_dtype = out_ref.dtype
-  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-  cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
-  m_iters, n_iters, k_iters = m_shard // cta_tile_m, n // cta_tile_n, k // tile_k
+  cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
+  grid = common.tile_grid(config, axis_size, m_shard, k, n)
+  k_iters = grid.k_iters
   per_sender, num_senders, send_gap = schedule.send_plan(
-      k_iters, n_iters, config.spread_sends, config.send_gap)
-  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
-  out_transforms = common.swizzled(out_dtype, epi_n)
-  split_m = config.wg_dimension == "m"
+      k_iters, grid.n_iters, config.spread_sends, config.send_gap)
   ring = axis_size > 1
 
-  wg_idx = lax.axis_index("wg")
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
     if diagnostic_loopback:  # Diagnostics only: wrong results.
@@ -56,129 +53,78 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                                                                 send_to))
     # arrived[s, i]: senders whose slice of row block i for step s + 1 landed.
     arrived = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((axis_size - 1, m_iters)))
+        plgpu.SemaphoreType.REGULAR((axis_size - 1, grid.m_iters)))
   else:
     dev = 0
 
-  def make_pipeline(body, compute_context, n_idx):
-    return common.matmul_pipeline(
-        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
-        tile_k=tile_k, k_iters=k_iters, dtype=dtype,
-        max_concurrent_steps=config.max_concurrent_steps,
-        k_order=lambda kk: schedule.k_block(kk, n_idx, k_iters, per_sender,
-                                            send_gap))
-
-  ignore = lambda *_, **__: None
-  allocs = make_pipeline(ignore, ignore, jnp.int32(0)).get_allocations(
-      lhs_local_ref.at[pl.ds(0, cta_tile_m), :],
-      rhs_ref.at[:, pl.ds(0, cta_tile_n)])
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=allocs,
-      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype,
-                          transforms=out_transforms),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, out_smem):
-    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
-                   collective_axes="cluster_grid")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
-      step, in_step = schedule.tile_coordinates(linear, m_iters, n_iters)
-      m_idx, n_idx = plgpu.planar_snake(
-          in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
-          config.grid_tile_width)
-      source = schedule.source_device(dev, step, axis_size)
-      out_rows = pl.ds(
-          schedule.output_row(m_idx * cta_tile_m, source, axis_size,
+  def row_block(step, m_idx):
+    """Whose shard the tile multiplies, and where its rows go."""
+    source = schedule.source_device(dev, step, axis_size)
+    return source, pl.ds(
+        schedule.output_row(m_idx * cta_tile_m, source, axis_size,
                             rows_per_batch), cta_tile_m)
-      cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-      wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
-      wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
-      if ring:
-        share = schedule.sender_share(n_idx, k_iters, per_sender)
-        forwards = (step < axis_size - 1) & (share > 0)
-        last_send = schedule.last_send_step(n_idx, k_iters, per_sender,
-                                            send_gap)
-        # Announce once the last slice has had `send_gap` steps to land.
-        signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for mi in range(tile_m // epi_m):
-            for ni in range(tile_n // epi_n):
-              i = mi * (tile_n // epi_n) + ni
-              slot = i % 2
-              if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              out_smem[wg_idx, slot] = acc[mi * epi_m:(mi + 1) * epi_m,
-                                           ni * epi_n:(ni + 1) * epi_n]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg_idx, slot],
-                  out_ref.at[out_rows, cta_n].at[wg_m, wg_n]
-                  .at[pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n)])
+  def begin_tile(tile: common.Tile) -> common.TileHooks:
+    step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
 
-      def mma_body(idxs, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
-        if ring:
-          (kk,) = idxs
-          k_block = schedule.k_block(kk, n_idx, k_iters, per_sender,
-                                     send_gap)
-          sender = forwards & (wg_idx == 0)
-          sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
-                                            send_gap)
-          sent_before = (kk > 0) & schedule.is_send_step(
-              kk - 1, n_idx, k_iters, per_sender, send_gap)
+    def first_row():  # Of the tile, in its source shard.
+      return m_idx * cta_tile_m
 
-          # The slot of step kk - 1 is released when this body returns
-          # (delay_release=1): its send must have finished reading it.
-          @pl.when(sender & sent_before)
-          def _slot_read():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if not ring:
+      return common.TileHooks(
+          run=lambda matmul: matmul(lhs_local_ref, first_row()))
 
-          @pl.when(sender & sends_now)
-          def _forward():
-            plgpu.copy_smem_to_gmem(
-                a_smem,
-                peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
-                                pl.ds(k_block * tile_k, tile_k)])
+    share = schedule.sender_share(n_idx, k_iters, per_sender)
+    forwards = (step < axis_size - 1) & (share > 0)
+    last_send = schedule.last_send_step(n_idx, k_iters, per_sender, send_gap)
+    # Announce once the last slice has had `send_gap` steps to land.
+    signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
-          @pl.when(sender & (kk == signal_at))
-          def _announce():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-            pl.semaphore_signal(arrived.at[step, m_idx],
-                                device_id=common.peer_id(axis_name, send_to))
-        plgpu.wgmma_wait(1)
-        return acc_ref
+    def forward_slices(kk, a_smem):
+      k_block = schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap)
+      sender = forwards & (grid.wg_idx == 0)
+      sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
+                                        send_gap)
+      sent_before = (kk > 0) & schedule.is_send_step(
+          kk - 1, n_idx, k_iters, per_sender, send_gap)
 
-      def run_tile(a_ref):
-        make_pipeline(mma_body, compute_context, n_idx)(
-            a_ref.at[pl.ds(m_idx * cta_tile_m, cta_tile_m), :],
-            rhs_ref.at[:, cta_n],
-            allocations=pipeline_allocs)
+      # The slot of step kk - 1 is released when this body returns
+      # (delay_release=1): its send must have finished reading it.
+      @pl.when(sender & sent_before)
+      def _slot_read():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      if not ring:
-        run_tile(lhs_local_ref)
-        return
+      @pl.when(sender & sends_now)
+      def _forward():
+        plgpu.copy_smem_to_gmem(
+            a_smem,
+            peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
+                            pl.ds(k_block * tile_k, tile_k)])
 
+      @pl.when(sender & (kk == signal_at))
+      def _announce():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        pl.semaphore_signal(arrived.at[step, m_idx],
+                            device_id=common.peer_id(axis_name, send_to))
+
+    def run(matmul):
       @pl.when(step == 0)
       def _local():
-        run_tile(lhs_local_ref)
+        matmul(lhs_local_ref, first_row())
 
       @pl.when(step > 0)
       def _received():
         pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
                           decrement=False)
-        run_tile(scratch_ref.at[step - 1])
+        matmul(scratch_ref.at[step - 1], first_row())
 
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return common.TileHooks(run=run, k_step=forward_slices)
+
+  common.ring_tile_loop(
+      grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
+      begin_tile=begin_tile, delay_release=1,
+      k_order=lambda kk, n_idx: schedule.k_block(kk, n_idx, k_iters,
+                                                 per_sender, send_gap))
 
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,

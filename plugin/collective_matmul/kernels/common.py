@@ -1,8 +1,15 @@
-"""Pieces both Hopper kernels share: device facts, layouts, the pipeline."""
+"""Pieces both Hopper kernels share: device facts, layouts, the pipeline,
+and the skeleton they run (`ring_tile_loop`), whose hooks each collective
+fills."""
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
@@ -136,3 +143,256 @@ def ring_neighbours(axis_name, axis_size):
   """(this device's index, the index it sends to) on the ring d -> d - 1."""
   dev = lax.axis_index(axis_name)
   return dev, lax.rem(dev + axis_size - 1, axis_size)
+
+
+# ------------------------------------------- the skeleton both kernels run
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGrid:
+  """The output tiles of all D ring steps, and this warpgroup's index.
+
+  Built by `tile_grid` first thing in a kernel (it reads the warpgroup
+  index), so the collective's own setup and hooks can use it.
+  """
+
+  config: configs.TileConfig
+  axis_size: int
+  m_iters: int
+  n_iters: int
+  k_iters: int
+  wg_idx: jax.Array
+
+  @property
+  def epi_tiles(self) -> list[tuple[int, int]]:
+    """(row, column) of each epilogue tile of a warpgroup tile, in store
+    order."""
+    c = self.config
+    return [(mi, ni) for mi in range(c.tile_m // c.epi_tile_m)
+            for ni in range(c.tile_n // c.epi_tile_n)]
+
+  def epi_slice(self, i):
+    """Epilogue tile i's rows and columns within a warpgroup tile."""
+    mi, ni = self.epi_tiles[i]
+    c = self.config
+    return (pl.ds(mi * c.epi_tile_m, c.epi_tile_m),
+            pl.ds(ni * c.epi_tile_n, c.epi_tile_n))
+
+  def epi_part(self, acc, i):
+    """Epilogue tile i of the warpgroup's accumulator value `acc`."""
+    mi, ni = self.epi_tiles[i]
+    c = self.config
+    return acc[mi * c.epi_tile_m:(mi + 1) * c.epi_tile_m,
+               ni * c.epi_tile_n:(ni + 1) * c.epi_tile_n]
+
+  def coordinates(self, linear):
+    """Linear tile index -> (ring step, m tile, n tile): steps outermost,
+    a planar snake within a step."""
+    c = self.config
+    step, in_step = schedule.tile_coordinates(linear, self.m_iters,
+                                              self.n_iters)
+    m_idx, n_idx = plgpu.planar_snake(
+        in_step, (self.m_iters, self.n_iters),
+        0 if c.grid_minor_dim == "m" else 1, c.grid_tile_width)
+    return step, m_idx, n_idx
+
+
+def tile_grid(config, axis_size, m, k, n) -> TileGrid:
+  """The tiles of a ring kernel on local sizes m x k x n (padded to fit)."""
+  return TileGrid(config=config, axis_size=axis_size,
+                  m_iters=m // config.cta_tile_m,
+                  n_iters=n // config.cta_tile_n, k_iters=k // config.tile_k,
+                  wg_idx=lax.axis_index("wg"))
+
+
+class Received(NamedTuple):
+  """A value loaded into the epilogue slots, that the accumulator is added
+  to: `load(i)` starts loading epilogue tile i into slot i % 2, `wait(i)`
+  waits until it is there."""
+
+  load: Callable[[int], None]
+  wait: Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """One output tile of one ring step, as the skeleton hands it to hooks.
+
+  Attributes:
+    step, m_idx, n_idx: the tile (`TileGrid.coordinates`).
+    block: the ring's row block the tile works on (the collective's
+      `row_block` hook says what that means).
+    out_rows, cta_n: the tile's rows and columns of the output.
+    wg_m, wg_n: this warpgroup's part of the CTA tile.
+    loop_info: the persistent loop's step.
+    scratch: the collective's shared-memory scratch (`ring_tile_loop`'s
+      `scratch`).
+  """
+
+  grid: TileGrid
+  step: jax.Array
+  m_idx: jax.Array
+  n_idx: jax.Array
+  block: Any
+  out_rows: Any
+  cta_n: Any
+  wg_m: Any
+  wg_n: Any
+  loop_info: plgpu.NDLoopInfo
+  out_ref: Any
+  out_smem: Any
+  scratch: dict[str, Any]
+
+  def slot(self, i):
+    """The epilogue slot epilogue tile i goes through (i % 2)."""
+    return self.out_smem.at[self.grid.wg_idx, i % 2]
+
+  def to_output(self, src, epi):
+    """Stores `src` as the part `epi` of this warpgroup's output tile."""
+    plgpu.copy_smem_to_gmem(
+        src, self.out_ref.at[self.out_rows, self.cta_n]
+        .at[self.wg_m, self.wg_n].at[epi])
+
+  def store_accumulator(self, acc, store, received: Received | None = None):
+    """Stores the warpgroup's tile `acc` (out dtype) through its two epilogue
+    slots: tile i is written to slot i % 2 (with `received`, added to what
+    was loaded there), then `store(slot, epi_slice)` copies it out."""
+    grid, wg_idx = self.grid, self.grid.wg_idx
+    num_epi = len(grid.epi_tiles)
+    for i in range(num_epi):
+      slot = i % 2
+      if received is not None:
+        received.wait(i)
+        self.out_smem[wg_idx, slot] += grid.epi_part(acc, i)
+      else:
+        if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        self.out_smem[wg_idx, slot] = grid.epi_part(acc, i)
+      plgpu.commit_smem()
+      store(self.out_smem.at[wg_idx, slot], grid.epi_slice(i))
+      if received is not None and i + 2 < num_epi:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        received.load(i + 2)
+
+  def store_to_output(self, acc_ref):
+    """The plain epilogue: the accumulator, cast, into the output."""
+    acc = acc_ref[...].astype(self.out_ref.dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    self.store_accumulator(acc, self.to_output)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileHooks:
+  """What a collective does for one tile (`ring_tile_loop`'s `begin_tile`).
+
+  Attributes:
+    run: `run(matmul)` runs the tile's k loop by calling `matmul(a_ref,
+      row)` (rows [row, row + cta_tile_m) of `a_ref` times the tile's
+      columns of B), after whatever the collective waits for; it may call
+      it in several branches.
+    k_step: `k_step(kk, a_smem)` in the pipeline body, after the wgmma of
+      step kk is issued and before waiting for the previous one (sends).
+    epilogue: `epilogue(acc_ref)` after the k loop; default
+      `Tile.store_to_output`.
+  """
+
+  run: Callable[[Callable[[Any, Any], None]], None]
+  k_step: Callable[[jax.Array, Any], None] | None = None
+  epilogue: Callable[[Any], None] | None = None
+
+
+def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
+                   begin_tile, delay_release, k_order=None, scratch=None):
+  """The body both ring kernels run: one persistent loop over the tiles of
+  all D ring steps, each tile a warp-specialized pipeline (allocated once)
+  accumulating into f32 registers, then an epilogue through two
+  shared-memory slots per warpgroup. The collective fills hooks:
+
+  Args:
+    grid: `tile_grid(...)`.
+    a_ref, b_ref, out_ref: A (rows chosen per tile by the hooks), B (whose
+      CTA-tile columns every tile multiplies) and the output.
+    row_block: `row_block(step, m_idx) -> (block, out_rows)`: the ring's
+      row block a tile works on and the output rows it writes.
+    begin_tile: `begin_tile(tile: Tile) -> TileHooks`, the collective's
+      work for one tile.
+    delay_release, k_order: the pipeline's (`matmul_pipeline`); here
+      `k_order(kk, n_idx)`.
+    scratch: further shared-memory allocations, `{name: allocation}`
+      (reach them through `Tile.scratch`).
+  """
+  config = grid.config
+  dtype, out_dtype = a_ref.dtype, out_ref.dtype
+  cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
+  split_m = config.wg_dimension == "m"
+  wg_idx = grid.wg_idx
+
+  def make_pipeline(body, compute_context, n_idx):
+    order = None
+    if k_order is not None:
+      order = lambda kk: k_order(kk, n_idx)
+    return matmul_pipeline(
+        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
+        tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
+        max_concurrent_steps=config.max_concurrent_steps, k_order=order,
+        delay_release=delay_release)
+
+  ignore = lambda *_, **__: None
+  allocs = make_pipeline(
+      ignore, ignore, None if k_order is None else jnp.int32(0)
+  ).get_allocations(a_ref.at[pl.ds(0, cta_tile_m), :],
+                    b_ref.at[:, pl.ds(0, cta_tile_n)])
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=allocs,
+      out_smem=plgpu.SMEM((2, 2, config.epi_tile_m, config.epi_tile_n),
+                          out_dtype,
+                          transforms=swizzled(out_dtype, config.epi_tile_n)),
+      **(scratch or {}),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem, **scratch_refs):
+    @plgpu.nd_loop((grid.axis_size * grid.m_iters * grid.n_iters,),
+                   collective_axes="cluster_grid")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      step, m_idx, n_idx = grid.coordinates(linear)
+      block, out_rows = row_block(step, m_idx)
+      cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+      wg_m = pl.ds(wg_idx * config.tile_m, config.tile_m) if split_m else (
+          slice(None))
+      wg_n = slice(None) if split_m else pl.ds(wg_idx * config.tile_n,
+                                               config.tile_n)
+      tile = Tile(grid=grid, step=step, m_idx=m_idx, n_idx=n_idx,
+                  block=block, out_rows=out_rows, cta_n=cta_n, wg_m=wg_m,
+                  wg_n=wg_n, loop_info=loop_info, out_ref=out_ref,
+                  out_smem=out_smem, scratch=scratch_refs)
+      hooks = begin_tile(tile)
+      epilogue = hooks.epilogue or tile.store_to_output
+
+      def compute_context(eval_pipeline):
+        @functools.partial(
+            pl.run_scoped,
+            acc_ref=plgpu.ACC((config.tile_m, config.tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          epilogue(acc_ref)
+
+      def mma_body(idxs, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        if hooks.k_step is not None:
+          (kk,) = idxs
+          hooks.k_step(kk, a_smem)
+        plgpu.wgmma_wait(1)
+        return acc_ref
+
+      def matmul(a_rows_ref, row):
+        make_pipeline(mma_body, compute_context, n_idx)(
+            a_rows_ref.at[pl.ds(row, cta_tile_m), :],
+            b_ref.at[:, cta_n],
+            allocations=pipeline_allocs)
+
+      hooks.run(matmul)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)

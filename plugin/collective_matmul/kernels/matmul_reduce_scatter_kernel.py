@@ -49,15 +49,18 @@ from collective_matmul.kernels.configs import ReduceScatterConfig
 def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
                  config: ReduceScatterConfig, m_block, k, n, rows_per_batch,
                  diagnostic_loopback):
+  """The shared skeleton (`common.ring_tile_loop`) with the reduce-scatter's
+  hooks: a tile's k loop sends (and announces) the previous tile's partial
+  sum, and its epilogue adds the partial sum it received and sends the sum
+  on, or stores it once complete."""
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
-  dtype, out_dtype = x_ref.dtype, out_ref.dtype
-  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+  out_dtype = out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
-  m_iters, n_iters, k_iters = m_block // cta_tile_m, n // cta_tile_n, k // tile_k
-  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
-  split_m = config.wg_dimension == "m"
+  grid = common.tile_grid(config, axis_size, m_block, k, n)
+  k_iters = grid.k_iters
+  num_epi = len(grid.epi_tiles)
   ring = axis_size > 1
-  wg_idx = lax.axis_index("wg")
+  wg_idx = grid.wg_idx
   if ring:
     dev = lax.axis_index(axis_name)
     send_to = lax.rem(dev + 1, axis_size)
@@ -68,201 +71,147 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
     # sum reached this device's scratch slot s.
     landed = pl.get_global(plgpu.SemaphoreType.REGULAR(
-        (axis_size - 1, m_iters, n_iters)))
+        (axis_size - 1, grid.m_iters, grid.n_iters)))
   else:
     dev = 0
 
-  def make_pipeline(body, compute_context):
-    return common.matmul_pipeline(
-        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
-        tile_k=tile_k, k_iters=k_iters, dtype=dtype,
-        max_concurrent_steps=config.max_concurrent_steps, delay_release=0)
+  # With the whole warpgroup tile in the two epilogue slots, a tile's
+  # partial sum leaves during the next tile's k loop, one row piece
+  # every `send_gap` steps (paced like the all-gather kernel's sends),
+  # not all at once from the epilogue, where every SM would store at
+  # the same moment and the next tile's loads would wait behind it.
+  defer = ring and config.spread_sends and num_epi <= 2
+  # (epilogue slot, row piece, pipeline step) of each deferred send.
+  pieces = config.send_pieces
+  piece_m = config.epi_tile_m // pieces
+  send_plan = [(j // pieces, j % pieces, step) for j, step in enumerate(
+      schedule.partial_send_steps(k_iters, num_epi * pieces,
+                                  config.send_gap))]
+  # Where the previous tile's partial sum is announced: inside the next
+  # k loop once its stores had `send_gap` steps to land, else after it.
+  announce_step = (schedule.partial_announce_step(
+      k_iters, len(send_plan), config.send_gap, defer)
+                   if ring and config.early_announce else None)
 
-  ignore = lambda *_, **__: None
-  allocs = make_pipeline(ignore, ignore).get_allocations(
-      x_ref.at[pl.ds(0, cta_tile_m), :], w_ref.at[:, pl.ds(0, cta_tile_n)])
+  def announce(step, m_idx, n_idx):
+    """Signals the peer once this warpgroup's stores of a tile landed."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    pl.semaphore_signal(landed.at[step, m_idx, n_idx],
+                        device_id=common.peer_id(axis_name, send_to))
 
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=allocs,
-      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype,
-                          transforms=common.swizzled(out_dtype, epi_n)),
-      received=plgpu.Barrier(num_barriers=4),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, out_smem, received):
-    def coordinates(linear):
-      step, in_step = schedule.tile_coordinates(linear, m_iters, n_iters)
-      m_idx, n_idx = plgpu.planar_snake(
-          in_step, (m_iters, n_iters), 0 if config.grid_minor_dim == "m" else 1,
-          config.grid_tile_width)
-      return step, m_idx, n_idx
+  def row_block(step, m_idx):
+    """Whose partial sum the tile works on; it is written to the tile's
+    rows of the output (or of the peer's scratch)."""
+    block = schedule.reduce_scatter_block(dev, step, axis_size)
+    return block, pl.ds(m_idx * cta_tile_m, cta_tile_m)
 
-    def announce(step, m_idx, n_idx):
-      """Signals the peer once this warpgroup's stores of a tile landed."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      pl.semaphore_signal(landed.at[step, m_idx, n_idx],
-                          device_id=common.peer_id(axis_name, send_to))
+  def begin_tile(tile: common.Tile) -> common.TileHooks:
+    step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
+    tile_rows, cta_n = tile.out_rows, tile.cta_n
+    wg_m, wg_n = tile.wg_m, tile.wg_n
+    received = tile.scratch["received"]
+    loop_info = tile.loop_info
+    is_last = loop_info.local_index == loop_info.num_local_steps - 1
+    if ring:
+      prev_step, prev_m, prev_n = grid.coordinates(
+          loop_info.index[0] - lax.axis_size("cluster_grid"))
+      # The previous tile (this block's) left a partial sum to send.
+      prev_sends = (loop_info.local_index > 0) & (prev_step < axis_size - 1)
 
-    @plgpu.nd_loop((axis_size * m_iters * n_iters,),
-                   collective_axes="cluster_grid")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
-      step, m_idx, n_idx = coordinates(linear)
-      block = schedule.reduce_scatter_block(dev, step, axis_size)
-      tile_rows = pl.ds(m_idx * cta_tile_m, cta_tile_m)
-      cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-      wg_m = pl.ds(wg_idx * tile_m, tile_m) if split_m else slice(None)
-      wg_n = slice(None) if split_m else pl.ds(wg_idx * tile_n, tile_n)
-      epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m)
-                   for ni in range(tile_n // epi_n)]
+    def peer_slot(step, m_idx, n_idx, i):
+      return (peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
+                              pl.ds(n_idx * cta_tile_n, cta_tile_n)]
+              .at[wg_m, wg_n].at[grid.epi_slice(i)])
 
-      def epi_slice(i):
-        mi, ni = epi_tiles[i]
-        return (pl.ds(mi * epi_m, epi_m), pl.ds(ni * epi_n, epi_n))
+    def load_partial(i):
+      """Starts loading the received partial sum of epilogue tile i."""
+      plgpu.copy_gmem_to_smem(
+          scratch_ref.at[step - 1, tile_rows, cta_n].at[wg_m, wg_n]
+          .at[grid.epi_slice(i)], tile.slot(i),
+          received.at[wg_idx * 2 + i % 2])
 
-      def epi_part(acc, i):
-        mi, ni = epi_tiles[i]
-        return acc[mi * epi_m:(mi + 1) * epi_m, ni * epi_n:(ni + 1) * epi_n]
+    def wait_partial(i):
+      plgpu.barrier_wait(received.at[wg_idx * 2 + i % 2])
 
-      # With the whole warpgroup tile in the two epilogue slots, a tile's
-      # partial sum leaves during the next tile's k loop, one row piece
-      # every `send_gap` steps (paced like the all-gather kernel's sends),
-      # not all at once from the epilogue, where every SM would store at
-      # the same moment and the next tile's loads would wait behind it.
-      defer = ring and config.spread_sends and len(epi_tiles) <= 2
-      # (epilogue slot, row piece, pipeline step) of each deferred send.
-      pieces = config.send_pieces
-      piece_m = epi_m // pieces
-      send_plan = [(j // pieces, j % pieces, step) for j, step in enumerate(
-          schedule.partial_send_steps(k_iters, len(epi_tiles) * pieces,
-                                      config.send_gap))]
-      is_last = loop_info.local_index == loop_info.num_local_steps - 1
-      # Where the previous tile's partial sum is announced: inside this k
-      # loop once its stores had `send_gap` steps to land, else after it.
-      announce_step = (schedule.partial_announce_step(
-          k_iters, len(send_plan), config.send_gap, defer)
-                       if ring and config.early_announce else None)
+    partial_sum = common.Received(load=load_partial, wait=wait_partial)
+
+    def epilogue(acc_ref):
+      if ring and announce_step is None:
+        # The previous tile's stores to the peer had this tile's whole
+        # k loop to land: announce them only now, so that waiting for
+        # NVLink never stalls the tensor cores.
+        @pl.when(prev_sends)
+        def _announce_previous():
+          announce(prev_step, prev_m, prev_n)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if ring:
-        prev_step, prev_m, prev_n = coordinates(
-            linear - lax.axis_size("cluster_grid"))
-        # The previous tile (this block's) left a partial sum to send.
-        prev_sends = (loop_info.local_index > 0) & (prev_step < axis_size - 1)
+        # The received partial sum starts loading while the last wgmma
+        # drains.
+        @pl.when(step > 0)
+        def _receive_partial():
+          pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
+                            decrement=False)
+          for i in range(min(2, num_epi)):
+            load_partial(i)
 
-      def peer_slot(step, m_idx, n_idx, i):
-        return (peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
-                                pl.ds(n_idx * cta_tile_n, cta_tile_n)]
-                .at[wg_m, wg_n].at[epi_slice(i)])
+      acc = acc_ref[...].astype(out_dtype)
 
-      def load_partial(i):
-        """Starts loading the received partial sum of epilogue tile i."""
-        plgpu.copy_gmem_to_smem(
-            scratch_ref.at[step - 1, tile_rows, cta_n].at[wg_m, wg_n]
-            .at[epi_slice(i)], out_smem.at[wg_idx, i % 2],
-            received.at[wg_idx * 2 + i % 2])
+      def to_peer(src, epi):
+        send = lambda: plgpu.copy_smem_to_gmem(
+            src, peer_scratch.at[step, tile_rows, cta_n].at[wg_m, wg_n]
+            .at[epi])
+        if defer:  # The next tile's k loop sends it; the last has none.
+          pl.when(is_last)(send)
+        else:
+          send()
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          if ring and announce_step is None:
-            # The previous tile's stores to the peer had this tile's whole
-            # k loop to land: announce them only now, so that waiting for
-            # NVLink never stalls the tensor cores.
-            @pl.when(prev_sends)
-            def _announce_previous():
-              announce(prev_step, prev_m, prev_n)
+      if not ring:
+        tile.store_accumulator(acc, tile.to_output)
+        return
 
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          if ring:
-            # The received partial sum starts loading while the last wgmma
-            # drains.
-            @pl.when(step > 0)
-            def _receive_partial():
-              pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
-                                decrement=False)
-              for i in range(min(2, len(epi_tiles))):
-                load_partial(i)
+      @pl.when(step == 0)
+      def _first():
+        tile.store_accumulator(acc, to_peer)
 
-          acc = acc_ref[...].astype(out_dtype)
+      @pl.when((step > 0) & (step < axis_size - 1))
+      def _middle():
+        tile.store_accumulator(acc, to_peer, received=partial_sum)
 
-          def run_epilogue(receive, store):
-            for i in range(len(epi_tiles)):
-              slot = i % 2
-              if receive:
-                plgpu.barrier_wait(received.at[wg_idx * 2 + slot])
-                out_smem[wg_idx, slot] += epi_part(acc, i)
-              else:
-                if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
-                  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[wg_idx, slot] = epi_part(acc, i)
-              plgpu.commit_smem()
-              store(out_smem.at[wg_idx, slot], epi_slice(i))
-              if receive and i + 2 < len(epi_tiles):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                load_partial(i + 2)
+      @pl.when(step == axis_size - 1)
+      def _last():
+        tile.store_accumulator(acc, tile.to_output, received=partial_sum)
 
-          def to_output(src, epi):
+      # This block's last tile has no next one to announce it.
+      @pl.when((step < axis_size - 1) & is_last)
+      def _announce_last():
+        announce(step, m_idx, n_idx)
+
+    def send_previous(kk, a_smem):
+      del a_smem  # Nothing is forwarded from the pipeline.
+      if defer:
+        for i, piece, send_step in send_plan:
+          rows = pl.ds(piece * piece_m, piece_m)
+          @pl.when(prev_sends & (kk == send_step))
+          def _send_previous():
             plgpu.copy_smem_to_gmem(
-                src, out_ref.at[tile_rows, cta_n].at[wg_m, wg_n].at[epi])
+                tile.slot(i).at[rows],
+                peer_slot(prev_step, prev_m, prev_n, i).at[rows])
+      if announce_step is not None:
+        @pl.when(prev_sends & (kk == announce_step))
+        def _announce_previous():
+          announce(prev_step, prev_m, prev_n)
 
-          def to_peer(src, epi):
-            send = lambda: plgpu.copy_smem_to_gmem(
-                src, peer_scratch.at[step, tile_rows, cta_n].at[wg_m, wg_n]
-                .at[epi])
-            if defer:  # The next tile's k loop sends it; the last has none.
-              pl.when(is_last)(send)
-            else:
-              send()
+    def run(matmul):
+      matmul(x_ref, schedule.output_row(m_idx * cta_tile_m, tile.block,
+                                        axis_size, rows_per_batch))
 
-          if not ring:
-            run_epilogue(False, to_output)
-            return
+    return common.TileHooks(run=run, k_step=send_previous, epilogue=epilogue)
 
-          @pl.when(step == 0)
-          def _first():
-            run_epilogue(False, to_peer)
-
-          @pl.when((step > 0) & (step < axis_size - 1))
-          def _middle():
-            run_epilogue(True, to_peer)
-
-          @pl.when(step == axis_size - 1)
-          def _last():
-            run_epilogue(True, to_output)
-
-          # This block's last tile has no next one to announce it.
-          @pl.when((step < axis_size - 1) & is_last)
-          def _announce_last():
-            announce(step, m_idx, n_idx)
-
-      def mma_body(idxs, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
-        (kk,) = idxs
-        if defer:
-          for i, piece, send_step in send_plan:
-            rows = pl.ds(piece * piece_m, piece_m)
-            @pl.when(prev_sends & (kk == send_step))
-            def _send_previous():
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg_idx, i].at[rows],
-                  peer_slot(prev_step, prev_m, prev_n, i).at[rows])
-        if announce_step is not None:
-          @pl.when(prev_sends & (kk == announce_step))
-          def _announce_previous():
-            announce(prev_step, prev_m, prev_n)
-        plgpu.wgmma_wait(1)
-        return acc_ref
-
-      make_pipeline(mma_body, compute_context)(
-          x_ref.at[pl.ds(schedule.output_row(m_idx * cta_tile_m, block,
-                                             axis_size, rows_per_batch),
-                         cta_tile_m), :],
-          w_ref.at[:, cta_n],
-          allocations=pipeline_allocs)
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  common.ring_tile_loop(
+      grid, x_ref, w_ref, out_ref, row_block=row_block,
+      begin_tile=begin_tile, delay_release=0,
+      scratch=dict(received=plgpu.Barrier(num_barriers=4)))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
