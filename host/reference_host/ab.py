@@ -260,11 +260,11 @@ def _profile_markdown(profile: dict) -> list[str]:
         for label, bv, cv in rows],
       "",
       profile["comparison"].sentence(),
+      *_projection_markdown(b, c),
       "",
       "Collectives the collective arm still runs (compiled HLO, per device):",
       "",
   ]
-  lines += _projection_markdown(b, c)
   ops = {o["op"]: o for o in c.nccl_ops}
   left = profile["collectives"]["collective"]
   if not left:

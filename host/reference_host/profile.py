@@ -239,13 +239,15 @@ def _minus(a: Sequence[tuple[float, float]],
 
 def projection_of(scope: str) -> str:
   """'wi_0 backward' for ".../transpose(jvp(...))/layers_1/mlp/wi_0/...":
-  the dense layer an op belongs to, and whether it is in the backward pass
+  the dense layer (or "wi_0+wi_1", a group of siblings) an op belongs to, and whether it is in the backward pass
   (JAX names the transposed computation `transpose(...)`); "" when the scope
   names no known projection."""
-  parts = scope.split("/")
-  for part in reversed(parts):
-    if part in PROJECTIONS:
-      return f"{part} {'backward' if 'transpose(' in scope else 'forward'}"
+  direction = "backward" if "transpose(" in scope else "forward"
+  for part in reversed(scope.split("/")):
+    # A group of siblings in one kernel is scoped "query+key+value".
+    if part in PROJECTIONS or (
+        "+" in part and all(p in PROJECTIONS for p in part.split("+"))):
+      return f"{part} {direction}"
   return ""
 
 

@@ -176,10 +176,14 @@ def _run_group(plans, dimension_numbers, cfg, precision,
                      jnp.split(y, splits, axis=-1), free_shapes))
 
   to_p = patterns.spec_to_partition_spec
-  outs = jax.shard_map(
-      body, mesh=first.mesh,
-      in_specs=(to_p(first.match.lhs_spec),
-                *(to_p(plan.match.rhs_spec) for plan in plans)),
-      out_specs=tuple(to_p(plan.match.out_spec) for plan in plans),
-      check_vma=False)(first.lhs, *(plan.rhs for plan in plans))
+  # One scope names the group's ops ("query+key+value"), so a profile can
+  # attribute the shared kernel to its members.
+  scope = "+".join((name or "member").rsplit("/", 1)[-1] for name in names)
+  with jax.named_scope(scope):
+    outs = jax.shard_map(
+        body, mesh=first.mesh,
+        in_specs=(to_p(first.match.lhs_spec),
+                  *(to_p(plan.match.rhs_spec) for plan in plans)),
+        out_specs=tuple(to_p(plan.match.out_spec) for plan in plans),
+        check_vma=False)(first.lhs, *(plan.rhs for plan in plans))
   return list(outs)

@@ -121,6 +121,10 @@ def test_projection_attribution_splits_forward_and_backward():
       "jit(f)/jvp(Transformer)/layers_0/self_attention/query/dot_general") == (
           "query forward")
   assert profile_lib.projection_of("jit(f)/jvp(Transformer)/rope/mul") == ""
+  assert profile_lib.projection_of(
+      "jit(f)/transpose(jvp(T))/layers_0/mlp/wi_0+wi_1/shard_map/x") == (
+          "wi_0+wi_1 backward")
+  assert profile_lib.projection_of("jit(f)/jvp(T)/a+b/dot") == ""
 
 
 def test_device_trace_copy_gives_the_same_breakdown(tmp_path):
