@@ -282,11 +282,29 @@ def _profile_markdown(profile: dict) -> list[str]:
   return lines + [""]
 
 
+def _grouped_like(baseline: dict, collective: dict) -> dict:
+  """The baseline's per-projection times with the members of each group the
+  collective arm ran as one kernel ("query+key+value forward") summed into
+  that group's row, so the rows compare like with like."""
+  out = dict(baseline)
+  for group in collective:
+    names, direction = group.rsplit(" ", 1)
+    if "+" not in names:
+      continue
+    summed: dict[str, float] = {}
+    for member in names.split("+"):
+      for cls, ms in out.pop(f"{member} {direction}", {}).items():
+        summed[cls] = summed.get(cls, 0.0) + ms
+    out[group] = summed
+  return out
+
+
 def _projection_markdown(b, c) -> list[str]:
   """Per projection and pass: what the baseline spends (GEMMs + NCCL)
   against the collective arm (its kernels, barriers, remaining GEMMs and
   NCCL), from the ops' name scopes."""
-  names = sorted(set(b.projections) | set(c.projections))
+  baseline = _grouped_like(b.projections, c.projections)
+  names = sorted(set(baseline) | set(c.projections))
   if not names:
     return []
   lines = ["", "Per projection (ms per step, from each op's name scope; a "
@@ -295,7 +313,7 @@ def _projection_markdown(b, c) -> list[str]:
            "+ barriers | collective GEMM | collective NCCL | difference |",
            "|---|---:|---:|---:|---:|---:|---:|"]
   for name in names:
-    bp, cp = b.projections.get(name, {}), c.projections.get(name, {})
+    bp, cp = baseline.get(name, {}), c.projections.get(name, {})
     base = bp.get("matmul", 0.0) + bp.get("nccl", 0.0)
     kernels = cp.get("collective_matmul", 0.0) + cp.get("barrier", 0.0)
     coll = kernels + cp.get("matmul", 0.0) + cp.get("nccl", 0.0)

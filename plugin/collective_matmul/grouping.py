@@ -80,11 +80,13 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
   cfg = config or config_lib.get_config()
 
   def alone(member, why=""):
-    return override._dot_general(  # pylint: disable=protected-access
-        lhs, member.kernel, dimension_numbers, precision,
-        preferred_element_type, lhs_axes=lhs_axes,
-        rhs_axes=member.kernel_axes, name=member.name, config=cfg,
-        group_reason=why)
+    # Its own name scope, as a Dense layer of that name would give it.
+    with jax.named_scope(_short_name(member.name)):
+      return override._dot_general(  # pylint: disable=protected-access
+          lhs, member.kernel, dimension_numbers, precision,
+          preferred_element_type, lhs_axes=lhs_axes,
+          rhs_axes=member.kernel_axes, name=member.name, config=cfg,
+          group_reason=why)
 
   if not cfg.enabled or len(members) < 2:
     return [alone(m) for m in members]
@@ -101,6 +103,11 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
     return [alone(m, why) for m in members]
   return _run_group(plans, dimension_numbers, cfg, precision,
                     preferred_element_type, tuple(m.name for m in members))
+
+
+def _short_name(name: str | None) -> str:
+  """'query' for 'layers_0/self_attention/query': a name-scope segment."""
+  return (name or "member").rsplit("/", 1)[-1]
 
 
 def _not_groupable_reason(plans, names) -> str | None:
@@ -178,7 +185,7 @@ def _run_group(plans, dimension_numbers, cfg, precision,
   to_p = patterns.spec_to_partition_spec
   # One scope names the group's ops ("query+key+value"), so a profile can
   # attribute the shared kernel to its members.
-  scope = "+".join((name or "member").rsplit("/", 1)[-1] for name in names)
+  scope = "+".join(_short_name(name) for name in names)
   with jax.named_scope(scope):
     outs = jax.shard_map(
         body, mesh=first.mesh,

@@ -246,3 +246,14 @@ def test_maxtext_ab_compares_each_arm_with_off():
   expected = profile_lib.compare(_breakdown("baseline"),
                                  _breakdown("collective"))
   assert comparisons["auto"]["sentence"] == expected.sentence()
+
+
+def test_baseline_rows_of_grouped_members_are_summed_into_the_group():
+  baseline = {"query forward": {"matmul": 1.0}, "key forward": {"matmul": 0.5,
+                                                                 "nccl": 0.25},
+              "value forward": {"matmul": 0.5}, "wo forward": {"matmul": 2.0}}
+  collective = {"query+key+value forward": {"collective_matmul": 2.5},
+                "wo forward": {"collective_matmul": 2.2}}
+  merged = ab_lib._grouped_like(baseline, collective)  # pylint: disable=protected-access
+  assert merged == {"query+key+value forward": {"matmul": 2.0, "nccl": 0.25},
+                    "wo forward": {"matmul": 2.0}}
