@@ -53,7 +53,8 @@ def test_the_output_projections_are_reduce_scatters():
     (dict(kernel=jnp.zeros((16, 32), jnp.float8_e4m3fn)), {}, "fp8"),
     ({}, dict(shard_mode="ShardMode.EXPLICIT"), "shard_mode=explicit"),
     ({}, dict(moe=True), "mixture-of-experts"),
-    ({}, dict(owner=None), "not a projection of an MlpBlock or Attention"),
+    ({}, dict(owner=None), "not a projection of an MlpBlock, Attention or "
+     "the decoder's output head"),
     ({}, dict(mode="prefill"), "model_mode='prefill'"),
     ({}, dict(mode="autoregressive"), "model_mode='autoregressive'"),
     (dict(inputs=jnp.zeros((8, 16))), {}, "activation of rank 2"),
@@ -63,6 +64,22 @@ def test_everything_else_is_left_to_maxtext_with_a_reason(kwargs, stack_kwargs,
   reason, projection, _ = _reason(_stack(("embed", "mlp"), **stack_kwargs),
                                   **kwargs)
   assert projection is None and expected in reason
+
+
+def test_the_decoders_logits_projection_is_an_all_gather_matmul():
+  reason, projection, name = _reason(_stack(("embed_vocab", "vocab"),
+                                            owner="decoder",
+                                            attr="logits_dense"))
+  assert reason is None and name == "decoder/logits_dense"
+  assert projection.pattern == "all_gather"
+  assert projection.activation_axes == projections.LOGITS_INPUT
+
+
+def test_the_logits_projection_outside_training_is_left_to_maxtext():
+  reason, projection, _ = _reason(_stack(("embed_vocab", "vocab"),
+                                         owner="decoder", mode="prefill",
+                                         attr="logits_dense"))
+  assert projection is None and "model_mode='prefill'" in reason
 
 
 def test_unknown_kernel_axes_are_left_to_maxtext():

@@ -115,9 +115,8 @@ def test_fused_projections_are_rewritten_with_the_same_losses():
                        "attention/out"))
 
 
-def test_the_unknown_logits_projection_is_recorded_as_left_to_maxtext():
-  lines = ring("llama2-7b", "ts4_data2").decision_lines()
-  assert any("left to MaxText" in l and "'vocab'" in l for l in lines)
+def test_the_logits_projection_is_rewritten():
+  assert_rewritten(ring("llama2-7b", "ts4_data2"), ("decoder/logits_dense",))
 
 
 # ------------------------------------------------------------ checkpoints

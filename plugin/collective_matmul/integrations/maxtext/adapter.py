@@ -54,6 +54,9 @@ _EXPECTED_PARAMETERS = (
     ("attentions", "Attention.__call__", "at least", (
         "inputs_q", "inputs_kv", "model_mode", "shared_key",
         "shared_value")),
+    ("nnx_decoders", "NNXDecoder.apply_output_head", "exactly", (
+        "self", "shared_embedding", "y", "deterministic", "model_mode",
+        "normalize_y")),
 )
 _TRAIN = "train"  # maxtext.common.common_types.MODEL_MODE_TRAIN
 # The DenseGeneral attributes of an owner that project the same activation,
@@ -67,7 +70,7 @@ class MaxTextVersionError(RuntimeError):
 
 @dataclasses.dataclass
 class _Frame:
-  kind: str  # "mlp", "attention", "moe" or "dense".
+  kind: str  # "mlp", "attention", "decoder", "moe" or "dense".
   module: Any
   model_mode: str | None = None
   # "dense": the array DenseGeneral was called with.
@@ -107,7 +110,8 @@ def _maxtext_modules():
   from maxtext.layers import attentions  # pylint: disable=g-import-not-at-top
   from maxtext.layers import linears  # pylint: disable=g-import-not-at-top
   from maxtext.layers import moe  # pylint: disable=g-import-not-at-top
-  return linears, attentions, moe
+  from maxtext.layers import nnx_decoders  # pylint: disable=g-import-not-at-top
+  return linears, attentions, moe, nnx_decoders
 
 
 def check_maxtext() -> str:
@@ -128,7 +132,8 @@ def check_maxtext() -> str:
         f"MaxText {version} is not supported by collective_matmul's MaxText "
         f"adapter (supported: {', '.join(SUPPORTED_MAXTEXT_VERSIONS)}): it "
         "patches private MaxText functions whose signatures it must know")
-  modules = dict(zip(("linears", "attentions", "moe"), _maxtext_modules()))
+  modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders"),
+                     _maxtext_modules()))
   for module_name, path, how, expected in _EXPECTED_PARAMETERS:
     target = modules[module_name]
     for attr in path.split("."):
@@ -173,12 +178,12 @@ def install() -> str:
   version = check_maxtext()
   if is_installed():
     return version
-  linears, attentions, moe = _maxtext_modules()
+  linears, attentions, moe, nnx_decoders = _maxtext_modules()
 
   def owner_call(kind, mode_of, details=lambda args, kwargs: {}):
     def make(original):
       def call(self, *args, **kwargs):
-        with _entered(_Frame(kind, self, mode_of(self, kwargs),
+        with _entered(_Frame(kind, self, mode_of(self, args, kwargs),
                              **details(args, kwargs))):
           return original(self, *args, **kwargs)
       call.__wrapped__ = original
@@ -196,16 +201,19 @@ def install() -> str:
     return {"self_attention": same and not shared}
 
   _patch(linears.MlpBlock, "__call__", owner_call(
-      "mlp", lambda self, kw: getattr(self, "model_mode", None) or _TRAIN))
+      "mlp", lambda self, a, kw: getattr(self, "model_mode", None) or _TRAIN))
   _patch(attentions.Attention, "__call__", owner_call(
-      "attention", lambda self, kw: kw.get("model_mode", _TRAIN),
+      "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
       attention_details))
+  _patch(nnx_decoders.NNXDecoder, "apply_output_head", owner_call(
+      "decoder",
+      lambda self, a, kw: argument(a, kw, 3, "model_mode") or _TRAIN))
   for name in ("RoutedMoE", "RoutedAndSharedMoE"):
     if hasattr(moe, name):
       _patch(getattr(moe, name), "__call__", owner_call(
-          "moe", lambda self, kw: None))
+          "moe", lambda self, a, kw: None))
   _patch(linears.DenseGeneral, "__call__", owner_call(
-      "dense", lambda self, kw: None,
+      "dense", lambda self, a, kw: None,
       lambda args, kw: {"inputs": argument(args, kw, 0, "inputs")}))
   _patch(linears, "_compute_dot_general_nnx", _make_dot_general_nnx)
   return version
@@ -242,8 +250,8 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if any(f.kind == "moe" for f in owners):
     return "inside a mixture-of-experts block", None, name
   if owner is None:
-    return (f"kernel axes {kernel_axes}: not a projection of an MlpBlock or "
-            "Attention"), None, name
+    return (f"kernel axes {kernel_axes}: not a projection of an MlpBlock, "
+            "Attention or the decoder's output head"), None, name
   if owner.model_mode != _TRAIN:
     return (f"model_mode={owner.model_mode!r} (the adapter serves "
             "training)"), None, name
@@ -379,7 +387,7 @@ def _present_siblings(owner) -> tuple[str, ...]:
   with share_kv_projections, and key/value with share_kv_layer)."""
   if owner is None or owner.kind not in _SIBLINGS:
     return ()
-  linears, _, _ = _maxtext_modules()
+  linears = _maxtext_modules()[0]
   present = tuple(a for a in _SIBLINGS[owner.kind] if isinstance(
       getattr(owner.module, a, None), linears.DenseGeneral))
   return present if len(present) > 1 else ()

@@ -3,7 +3,8 @@
 MaxText's `DenseGeneral` knows only its kernel's logical axes. The
 activation's and the result's logical axes below are the ones MaxText's
 training graph constrains around each projection (MaxText 0.2.5: the llama2
-/ mistral decoder layers, `MlpBlock`, `Attention`), so the plugin's layout
+/ mistral decoder layers, `MlpBlock`, `Attention`, the decoder's output
+head), so the plugin's layout
 is the one MaxText asks for anyway and no resharding is added.
 """
 from __future__ import annotations
@@ -26,13 +27,20 @@ ATTN_OUT = ("activation_batch_attn", "activation_length_attn",
             "activation_heads", "activation_kv")
 
 
+# The decoder's output head: the final norm's output, as the residual stream
+# leaves the last layer (rows sharded over tensor_sequence), and MaxText's
+# logits sharding (`apply_output_head`'s out_sharding) for its batch axis.
+LOGITS_INPUT = ("activation_embed_and_logits_batch", "activation_norm_length",
+                "activation_embed")
+
+
 @dataclasses.dataclass(frozen=True)
 class Projection:
   """One kind of MaxText projection.
 
   Attributes:
     owner: the MaxText module that holds it ("mlp" for `MlpBlock`,
-      "attention" for `Attention`).
+      "attention" for `Attention`, "decoder" for `NNXDecoder`'s output head).
     kernel_axes: the `DenseGeneral` kernel's logical axes (its key).
     activation_axes: the input activation's logical axes.
     out_axes: the result's logical axes, for the matmul + reduce-scatter
@@ -61,6 +69,8 @@ PROJECTIONS = tuple(Projection(*p) for p in (
     ("attention", ("embed_attn", "kv_heads", "kv_head_dim"), ATTN_INPUT),
     ("attention", ("embed_attn", "heads", "kv"), ATTN_INPUT),
     ("attention", ("heads", "kv", "embed_attn"), ATTN_OUT, RESIDUAL),
+    # NNXDecoder.apply_output_head: logits_dense (logits_via_embedding off).
+    ("decoder", ("embed_vocab", "vocab"), LOGITS_INPUT),
 ))
 
 
