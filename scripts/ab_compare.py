@@ -69,6 +69,10 @@ def main(argv: list[str]) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  if _PROFILE_STEPS.value < 0:
+    print(f"--profile_steps={_PROFILE_STEPS.value} must be >= 0",
+          file=sys.stderr)
+    return 2
   if _PROFILE_STEPS.value and jax.default_backend() != "gpu":
     print(f"--profile_steps breaks down GPU kernel time; this run's backend "
           f"is {jax.default_backend()!r}", file=sys.stderr)

@@ -275,6 +275,8 @@ def main() -> int:
     parser.error(str(e))
   if "off" not in names or len(set(names)) != len(names):
     parser.error(f"the arms need 'off' and distinct names, got {names}")
+  if args.profile_steps < 0:
+    parser.error(f"--profile_steps={args.profile_steps} must be >= 0")
   if not maxtext_args or not maxtext_args[0].endswith(".yml"):
     parser.error("give MaxText's base.yml and key=value arguments after --")
   os.makedirs(args.out, exist_ok=True)

@@ -257,3 +257,14 @@ def test_baseline_rows_of_grouped_members_are_summed_into_the_group():
   merged = ab_lib._grouped_like(baseline, collective)  # pylint: disable=protected-access
   assert merged == {"query+key+value forward": {"matmul": 2.0, "nccl": 0.25},
                     "wo forward": {"matmul": 2.0}}
+
+
+def test_ab_compare_refuses_a_negative_profile_step_count():
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(repo, "scripts", "ab_compare.py"),
+       os.path.join(repo, "model_configs", "base.yml"), "model_name=tiny",
+       "--profile_steps=-1"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "--profile_steps=-1 must be >= 0" in proc.stderr
