@@ -99,28 +99,3 @@ def test_ring_uses_only_neighbour_permutes_not_all_gather(keys):
   assert "all-gather" not in texts["ring"]
   assert "collective-permute" in texts["ring"]
   assert "all-gather" in texts["baseline"]
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    ({"impl": "bogus"}, "bogus"),
-    ({"gather_axis": 1}, "gather_axis=1"),
-])
-def test_all_gather_matmul_rejects_bad_arguments(kwargs, match):
-  x = jax.ShapeDtypeStruct((8, K), jnp.float32)
-  w = jax.ShapeDtypeStruct((K, 16), jnp.float32)
-  body = functools.partial(cm.all_gather_matmul, axis_name="x", **kwargs)
-  f = jax.shard_map(body, mesh=mesh_1d(2, jax.sharding.AxisType.Auto), in_specs=(P("x", None),
-                                                     P(None, "x")),
-                    out_specs=P(None, "x"))
-  with pytest.raises(ValueError, match=match):
-    jax.jit(f).lower(x, w)
-
-
-def test_all_gather_matmul_rejects_contraction_mismatch():
-  x = jax.ShapeDtypeStruct((8, K), jnp.float32)
-  w = jax.ShapeDtypeStruct((K + 8, 16), jnp.float32)
-  f = jax.shard_map(functools.partial(cm.all_gather_matmul, axis_name="x"),
-                    mesh=mesh_1d(2, jax.sharding.AxisType.Auto), in_specs=(P("x", None), P(None, "x")),
-                    out_specs=P(None, "x"))
-  with pytest.raises(ValueError, match="contraction sizes differ"):
-    jax.jit(f).lower(x, w)

@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from collective_matmul import ops
 from collective_matmul import ring
 import cm_test_utils as utils
 
@@ -93,13 +92,3 @@ def test_rows_not_divisible_by_axis_size_is_rejected(rng):
                     (P(None, "tensor"), P("tensor", None)), P("tensor"))
   with pytest.raises(ValueError, match="size 6 does not split into 4"):
     f(x, w)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (dict(impl="cuda"), "impl='cuda' is not one of"),
-    (dict(scatter_axis=1), "scatter_axis=1 must index one of the 1"),
-])
-def test_op_rejects_bad_arguments_by_name(bad, match):
-  x, w = jnp.zeros((4, 8)), jnp.zeros((8, 2))
-  with pytest.raises(ValueError, match=match):
-    ops.matmul_reduce_scatter(x, w, "tensor", **bad)
