@@ -9,7 +9,9 @@ difference, step-time median and spread with their ratio, rewritten layers),
 ab.json (the raw numbers and the command) and ab.png (loss curves, step-time
 distributions) to --output_dir (default <base_output_directory>/ab/<tag>/,
 with -2, -3, ... added rather than overwriting an earlier report). The
-collective arm uses the plugin's flags with `enabled` forced on.
+collective arm uses the plugin's flags with `enabled` forced on; the
+baseline arm is the plugin off, compiled with XLA's defaults or with the
+`--baseline_xla_option`s given (e.g. XLA's windowed einsum).
 
 Exit status: 0 when the losses match, 1 when they do not, 3 when the plugin
 rewrote nothing (the mesh has no pattern: both arms ran the same program).
@@ -51,6 +53,12 @@ _PROFILE_STEPS = flags.DEFINE_integer(
     "profiler and report where each arm's GPU time goes (matmuls, collective "
     "matmul kernels, NCCL and how much of it no compute overlaps, ...). GPU "
     "only; the traces go to <output_dir>/traces/.")
+_BASELINE_XLA_OPTION = flags.DEFINE_multi_string(
+    "baseline_xla_option", [],
+    "NAME=VALUE: compile the baseline arm with this XLA option (repeatable), "
+    "e.g. XLA's windowed einsum: "
+    "--baseline_xla_option=xla_gpu_threshold_for_windowed_einsum_mib=0 "
+    "--baseline_xla_option=xla_gpu_multi_streamed_windowed_einsum=true")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() first.")
 
@@ -77,6 +85,11 @@ def main(argv: list[str]) -> int:
     print(f"--profile_steps breaks down GPU kernel time; this run's backend "
           f"is {jax.default_backend()!r}", file=sys.stderr)
     return 2
+  try:
+    baseline_options = ab_lib.parse_xla_options(_BASELINE_XLA_OPTION.value)
+  except ValueError as e:
+    print(f"--baseline_xla_option: {e}", file=sys.stderr)
+    return 2
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
   profile_dir = (tempfile.mkdtemp(prefix="profile-", dir=_mkdirs(
       os.path.join(config.base_output_directory, "ab")))
@@ -85,7 +98,8 @@ def main(argv: list[str]) -> int:
                          relative_tolerance=_TOLERANCE.value,
                          log=print if jax.process_index() == 0 else None,
                          profile_steps=_PROFILE_STEPS.value,
-                         profile_dir=profile_dir)
+                         profile_dir=profile_dir,
+                         baseline_compiler_options=baseline_options)
   if jax.process_index() == 0:
     output_dir = _OUTPUT_DIR.value or _fresh_dir(os.path.join(
         config.base_output_directory, "ab",

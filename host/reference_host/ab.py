@@ -40,6 +40,8 @@ class ABResult:
   relative_tolerance: float
   mesh_shape: dict[str, int]
   device_kind: str
+  # XLA options the baseline arm was compiled with ({}: XLA's defaults).
+  baseline_compiler_options: dict = dataclasses.field(default_factory=dict)
   # With profiling: {"baseline"/"collective": profile.Breakdown,
   # "comparison": profile.Comparison, "collectives": {arm: [...]},
   # "traces": {arm: path}}.
@@ -85,16 +87,20 @@ def run_ab(config: config_lib.Config,
            relative_tolerance: float | None = None,
            log: Callable[[str], None] | None = print,
            profile_steps: int = 0,
-           profile_dir: str | None = None) -> ABResult:
+           profile_dir: str | None = None,
+           baseline_compiler_options: dict | None = None) -> ABResult:
   """Trains both arms for `num_steps` (default: config.steps) steps.
 
   With `profile_steps`, each arm then runs that many more steps under the
   JAX profiler (traces under `profile_dir/<arm>/`), and the result carries
   each arm's GPU time breakdown and their comparison (`profile.py`).
+  `baseline_compiler_options` compiles the baseline arm with these XLA
+  options, e.g. `trainer.WINDOWED_EINSUM` for XLA's own overlap.
   """
   collective_config = dataclasses.replace(collective_config, enabled=True)
   baseline_config = dataclasses.replace(collective_config, enabled=False)
-  baseline = trainer_lib.Trainer(config, baseline_config, devices=devices)
+  baseline = trainer_lib.Trainer(config, baseline_config, devices=devices,
+                                 compiler_options=baseline_compiler_options)
   collective = trainer_lib.Trainer(config, collective_config, devices=devices)
   baseline.compile()
   collective.compile()
@@ -137,7 +143,8 @@ def run_ab(config: config_lib.Config,
       relative_tolerance=relative_tolerance,
       mesh_shape=dict(baseline.mesh.shape),
       device_kind=baseline.mesh.devices.flat[0].device_kind,
-      profile=profile)
+      profile=profile,
+      baseline_compiler_options=dict(baseline_compiler_options or {}))
 
 
 def _profile_arms(arms: dict, *, first_step: int, num_steps: int,
@@ -163,6 +170,28 @@ def _profile_arms(arms: dict, *, first_step: int, num_steps: int,
   return out
 
 
+def parse_xla_options(items: list[str]) -> dict:
+  """{"name": value} from "name=value" strings: true/false become bools,
+  integers and floats numbers, anything else stays a string."""
+  options = {}
+  for item in items:
+    name, sep, text = item.partition("=")
+    if not sep or not name.startswith("xla_"):
+      raise ValueError(f"{item!r} is not NAME=VALUE with an xla_ option name")
+    if text.lower() in ("true", "false"):
+      value = text.lower() == "true"
+    else:
+      try:
+        value = int(text)
+      except ValueError:
+        try:
+          value = float(text)
+        except ValueError:
+          value = text
+    options[name] = value
+  return options
+
+
 def _sharding_axes(mesh_shape: dict[str, int]) -> dict[str, int]:
   """The mesh axes of more than one device: of MaxText's many axes, the
   ones that shard anything (all of them when none does)."""
@@ -174,8 +203,9 @@ def default_tag(result: ABResult) -> str:
   mesh = "x".join(f"{axis}{size}" for axis, size in
                   _sharding_axes(result.mesh_shape).items())
   platform_name = result.device_kind.replace(" ", "-").lower()
+  vs = "-vs-xla-options" if result.baseline_compiler_options else ""
   return (f"{result.config.model_name}-{platform_name}-{mesh}-"
-          f"{result.collective_config.impl}")
+          f"{result.collective_config.impl}{vs}")
 
 
 def _summary_lines(result: ABResult) -> list[str]:
@@ -217,6 +247,7 @@ def to_json(result: ABResult, command: str | None) -> dict:
       "max_relative_loss_diff": result.max_relative_loss_diff,
       "relative_tolerance": result.relative_tolerance,
       "losses_match": result.losses_match,
+      "baseline_compiler_options": result.baseline_compiler_options,
       "profile": _profile_json(result.profile),
       "decisions": [
           {"name": d.name, "rewritten": d.rewritten, "impl": d.impl,
@@ -345,6 +376,9 @@ def _markdown(result: ABResult, command: str | None, png_name: str | None
       f"tokens, {len(result.baseline)} steps, jax {jax.__version__}",
       f"- compile: baseline {result.baseline_compile_s:.1f} s, collective "
       f"{result.collective_compile_s:.1f} s",
+      "- baseline: plugin off, XLA "
+      + (f"with {result.baseline_compiler_options}"
+         if result.baseline_compiler_options else "defaults"),
       "",
       "## Summary",
       "",

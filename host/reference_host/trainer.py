@@ -175,6 +175,12 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return jnp.mean(losses)
 
 
+# XLA's own overlap of all-gather and matmul (windowed einsum, with its
+# collective matmuls on several streams), as the kernel benchmarks run it.
+WINDOWED_EINSUM = {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
+                   "xla_gpu_multi_streamed_windowed_einsum": True}
+
+
 class Trainer:
   """Owns the mesh, the model, the state's shardings and the compiled step.
 
@@ -183,11 +189,13 @@ class Trainer:
     collective_config: the plugin configuration the step is traced with;
       default: the plugin's active one (`cm.get_config()`, set from flags).
     devices: the mesh's devices; default: all of them.
+    compiler_options: XLA options for compiling the step (e.g. XLA's
+      windowed einsum, `WINDOWED_EINSUM`), as `Lowered.compile` takes them.
   """
 
   def __init__(self, config: config_lib.Config,
                collective_config: cm.CollectiveMatmulConfig | None = None,
-               devices=None):
+               devices=None, compiler_options: dict | None = None):
     devices = list(jax.devices() if devices is None else devices)
     self.config = config_lib.resolve_for_devices(config, len(devices))
     self.collective_config = collective_config or cm.get_config()
@@ -196,6 +204,7 @@ class Trainer:
     self.model = model_lib.Transformer(self.config)
     self.optimizer = make_optimizer(self.config)
     self.batch_sharding = mesh_lib.batch_sharding(self.mesh, self.rules)
+    self.compiler_options = dict(compiler_options or {})
     self._compiled_step = None
     self.decisions: list = []
     self.compile_time_s = 0.0
@@ -275,7 +284,8 @@ class Trainer:
       cm.clear_decisions()
       lowered = step_fn.lower(self.abstract_state, batch_shape)
       self.decisions = cm.decisions()
-      self._compiled_step = lowered.compile()
+      self._compiled_step = lowered.compile(
+          compiler_options=self.compiler_options or None)
     self.compile_time_s = time.perf_counter() - start
     return self._compiled_step
 

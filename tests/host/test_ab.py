@@ -3,10 +3,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 import collective_matmul as cm
 from reference_host import ab as ab_lib
 from reference_host import config as config_lib
+from reference_host import trainer as trainer_lib
 
 from host_test_utils import BASE_CONFIG, TEST_MODEL_ARGS
 
@@ -34,3 +36,25 @@ def test_ab_writes_report_json_and_png(tmp_path, rng):
   assert len(raw["baseline"]) == len(raw["collective"]) == STEPS
   assert raw["command"] == "pytest"
   assert os.path.getsize(paths["png"]) > 0
+
+
+def test_baseline_arm_compiles_with_the_given_xla_options(rng):
+  config = config_lib.load_config(
+      [BASE_CONFIG, *TEST_MODEL_ARGS, "ici_tensor_sequence_parallelism=2",
+       "steps=2", f"init_weights_seed={int(rng.integers(1 << 30))}"])
+  windowed = dict(trainer_lib.WINDOWED_EINSUM)
+  result = ab_lib.run_ab(config, cm.CollectiveMatmulConfig(impl="ring"),
+                         log=None, baseline_compiler_options=windowed)
+  assert result.baseline_compiler_options == windowed
+  assert result.losses_match
+  assert ab_lib.to_json(result, None)["baseline_compiler_options"] == windowed
+  assert ab_lib.default_tag(result).endswith("-vs-xla-options")
+
+
+def test_an_unknown_baseline_xla_option_fails_at_compile_naming_it(rng):
+  config = config_lib.load_config(
+      [BASE_CONFIG, *TEST_MODEL_ARGS, "ici_tensor_sequence_parallelism=2",
+       "steps=1", f"init_weights_seed={int(rng.integers(1 << 30))}"])
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    ab_lib.run_ab(config, cm.CollectiveMatmulConfig(impl="ring"), log=None,
+                  baseline_compiler_options={"xla_no_such_option": 1})

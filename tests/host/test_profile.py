@@ -268,3 +268,15 @@ def test_ab_compare_refuses_a_negative_profile_step_count():
        "--profile_steps=-1"], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
   assert "--profile_steps=-1 must be >= 0" in proc.stderr
+
+
+def test_baseline_xla_options_parse_to_typed_values():
+  assert ab_lib.parse_xla_options([
+      "xla_gpu_threshold_for_windowed_einsum_mib=0",
+      "xla_gpu_multi_streamed_windowed_einsum=true", "xla_x=0.5",
+      "xla_y=abc"]) == {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
+                        "xla_gpu_multi_streamed_windowed_einsum": True,
+                        "xla_x": 0.5, "xla_y": "abc"}
+  for bad in ("xla_gpu_threshold", "threshold=0"):
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+      ab_lib.parse_xla_options([bad])
