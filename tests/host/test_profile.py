@@ -182,15 +182,20 @@ def test_report_has_the_breakdown_table_and_the_sentence(tmp_path):
       profile["comparison"].hidden_ms)
 
 
-def test_ab_compare_refuses_to_profile_without_a_gpu():
+@pytest.mark.parametrize("steps,message", [
+    (1, "--profile_steps breaks down GPU kernel time"),  # CPU only here
+    (-1, "--profile_steps=-1 must be >= 0"),
+])
+def test_ab_compare_refuses_a_profile_it_cannot_take(steps, message):
   import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   proc = subprocess.run(
       [sys.executable, os.path.join(repo, "scripts", "ab_compare.py"),
        os.path.join(repo, "model_configs", "base.yml"), "model_name=tiny",
-       "--profile_steps=1"], capture_output=True, text=True, timeout=300)
+       f"--profile_steps={steps}"], capture_output=True, text=True,
+      timeout=300)
   assert proc.returncode == 2, proc.stderr
-  assert "--profile_steps breaks down GPU kernel time" in proc.stderr
+  assert message in proc.stderr
 
 
 _XSPACE = """
@@ -257,17 +262,6 @@ def test_baseline_rows_of_grouped_members_are_summed_into_the_group():
   merged = ab_lib._grouped_like(baseline, collective)  # pylint: disable=protected-access
   assert merged == {"query+key+value forward": {"matmul": 2.0, "nccl": 0.25},
                     "wo forward": {"matmul": 2.0}}
-
-
-def test_ab_compare_refuses_a_negative_profile_step_count():
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  proc = subprocess.run(
-      [sys.executable, os.path.join(repo, "scripts", "ab_compare.py"),
-       os.path.join(repo, "model_configs", "base.yml"), "model_name=tiny",
-       "--profile_steps=-1"], capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 2, proc.stderr
-  assert "--profile_steps=-1 must be >= 0" in proc.stderr
 
 
 def test_baseline_xla_options_parse_to_typed_values():
