@@ -239,9 +239,9 @@ def _minus(a: Sequence[tuple[float, float]],
 
 def projection_of(scope: str) -> str:
   """'wi_0 backward' for ".../transpose(jvp(...))/layers_1/mlp/wi_0/...":
-  the dense layer (or "wi_0+wi_1", a group of siblings) an op belongs to, and whether it is in the backward pass
-  (JAX names the transposed computation `transpose(...)`); "" when the scope
-  names no known projection."""
+  the dense layer (or "wi_0+wi_1", a group of siblings) an op belongs to,
+  and whether it is in the backward pass (JAX names the transposed
+  computation `transpose(...)`); "" when the scope names no projection."""
   direction = "backward" if "transpose(" in scope else "forward"
   for part in reversed(scope.split("/")):
     # A group of siblings in one kernel is scoped "query+key+value".
@@ -286,19 +286,19 @@ def breakdown(events: Sequence[KernelEvent], steps: int,
   if not mine:
     raise ValueError(f"no events on {device}; devices: {devices}")
   per = 1e-3 / steps
+  classes = [classify(e) for e in mine]
   class_us = {c: 0.0 for c in CLASSES}
-  by_kernel: dict[str, list[float]] = {}
+  by_kernel: dict[str, list[Any]] = {}
   nccl_by_op: dict[str, list[Any]] = {}
   projections: dict[str, dict[str, float]] = {}
-  for e in mine:
-    cls = classify(e)
+  for e, cls in zip(mine, classes):
     class_us[cls] += e.duration_us
     projection = projection_of(e.scope)
     if projection and cls in ("matmul", "collective_matmul", "barrier",
                               "nccl"):
       mine_cls = projections.setdefault(projection, {})
-      mine_cls[cls] = mine_cls.get(cls, 0.0) + e.duration_us * 1e-3 / steps
-    entry = by_kernel.setdefault(e.name, [0.0, 0])
+      mine_cls[cls] = mine_cls.get(cls, 0.0) + e.duration_us * per
+    entry = by_kernel.setdefault(e.name, [0.0, 0, cls])
     entry[0] += e.duration_us
     entry[1] += 1
     if cls == "nccl":
@@ -307,16 +307,15 @@ def breakdown(events: Sequence[KernelEvent], steps: int,
       op[1] += 1
       op[3].append((e.start_us, e.end_us))
   busy = _union((e.start_us, e.end_us) for e in mine)
-  compute = _union((e.start_us, e.end_us) for e in mine
-                   if classify(e) in COMPUTE_CLASSES)
-  nccl = _union((e.start_us, e.end_us) for e in mine
-                if classify(e) == "nccl")
+  compute = _union((e.start_us, e.end_us) for e, cls in zip(mine, classes)
+                   if cls in COMPUTE_CLASSES)
+  nccl = _union((e.start_us, e.end_us) for e, cls in zip(mine, classes)
+                if cls == "nccl")
   top_kernels = [
-      {"name": name, "class": classify(next(e for e in mine
-                                            if e.name == name)),
-       "ms_per_step": us * per, "count_per_step": count / steps}
-      for name, (us, count) in sorted(by_kernel.items(),
-                                      key=lambda kv: -kv[1][0])[:top]]
+      {"name": name, "class": cls, "ms_per_step": us * per,
+       "count_per_step": count / steps}
+      for name, (us, count, cls) in sorted(by_kernel.items(),
+                                           key=lambda kv: -kv[1][0])[:top]]
   nccl_ops = [{"op": op, "ms_per_step": us * per,
                "exposed_ms_per_step": _minus(_union(spans), compute) * per,
                "count_per_step": count / steps, "scope": scope}
