@@ -25,6 +25,9 @@ CONFIGS = [
                                   send_gap=4),
     kernels.AllGatherConfig(tile_m=64, tile_n=128, grid_minor_dim="n",
                                   grid_tile_width=2),
+    kernels.AllGatherConfig(sender_sms=4),
+    kernels.AllGatherConfig(tile_m=128, tile_n=128, wg_dimension="m",
+                            sender_sms=8),
 ]
 
 
@@ -60,6 +63,34 @@ def test_kernel_matches_f32_reference_and_ring(d, m, k, n, dtype):
     assert _rel(out, ref) < 1e-2
     ring = _run("ring", a, b)
     assert _rel(out, np.asarray(ring, np.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (1000, 1024, 512),
+                                   (256, 512, 384)])
+@pytest.mark.parametrize("sender_sms", [1, 4, 16])
+def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms):
+  """Dedicated sender blocks (16 on k=512: half of them have no k block)
+  against the f32 reference, with the gathered shards they delivered."""
+  if d > HOPPER_COUNT:
+    pytest.skip(f"needs {d} GPUs")
+  config = kernels.AllGatherConfig(sender_sms=sender_sms)
+  key = jax.random.key(m + n + d + sender_sms)
+  with jax.set_mesh(_mesh(d)):
+    a = jax.sharding.reshard(
+        jax.random.normal(key, (d * m, k), jnp.bfloat16), P("x", None))
+    b = jax.sharding.reshard(jax.random.normal(
+        jax.random.fold_in(key, 1), (k, d * n), jnp.bfloat16), P(None, "x"))
+    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    _poison(d * m * n * 4)
+    out, held = jax.jit(jax.shard_map(
+        functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
+                          config=config, return_gathered=True),
+        out_specs=(P(None, "x"), P("x")), check_vma=False))(a, b)
+    assert _rel(out, ref) < 1e-2
+    np.testing.assert_array_equal(
+        np.asarray(held, np.float32).reshape(d, d * m, k),
+        np.broadcast_to(np.asarray(a, np.float32), (d, d * m, k)))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)

@@ -187,6 +187,42 @@ def test_source_device_visits_every_shard_once():
     np.testing.assert_array_equal(seen[0], np.arange(axis_size))
 
 
+@pytest.mark.parametrize("k_iters,sender_sms", [(64, 4), (64, 3), (8, 16),
+                                                 (1, 4), (16, 1)])
+@pytest.mark.parametrize("m_iters,axis_size", [(8, 2), (3, 4)])
+def test_sender_blocks_forward_every_chunk_once_row_blocks_in_order(
+    k_iters, sender_sms, m_iters, axis_size):
+  """The sender blocks' copy loops together forward every (ring step, row
+  block, k block) exactly once; each sender goes step by step, row block by
+  row block, and `num_senders` of them announce each row block."""
+  per, num_senders, _ = schedule.send_plan(k_iters, sender_sms, True)
+  seen = []
+  announcing = 0
+  for sender in range(sender_sms):
+    share = int(schedule.sender_share(jnp.int32(sender), k_iters, per))
+    announcing += share > 0
+    order = []
+    for c in range((axis_size - 1) * m_iters * share):
+      step, i, j = (int(v) for v in schedule.sender_chunk(
+          jnp.int32(c), jnp.int32(share), m_iters))
+      assert 0 <= j < share
+      seen.append((step, i, sender * per + j))
+      order.append((step, i))
+    assert order == sorted(order)
+  assert announcing == num_senders
+  assert sorted(seen) == [(s, i, kb) for s in range(axis_size - 1)
+                          for i in range(m_iters) for kb in range(k_iters)]
+
+
+def test_sender_slots_fit_shared_memory():
+  for config in (Config(sender_sms=4), Config(tile_m=128, wg_dimension="m",
+                                              tile_k=128, sender_sms=4)):
+    slots = config.sender_slots(2)
+    assert 2 <= slots <= configs.MAX_SENDER_SLOTS
+    assert slots * config.sender_chunk_elems * 2 <= (
+        configs.SMEM_BYTES - configs.SMEM_RESERVE)
+
+
 # --------------------------------------------------------- config validation
 
 
@@ -195,6 +231,7 @@ def test_source_device_visits_every_shard_once():
     ("epi_tile_n", 100), ("tile_k", 48), ("tile_k", 256),
     ("max_concurrent_steps", 1), ("wg_dimension", "k"),
     ("grid_minor_dim", "x"), ("send_gap", 0), ("grid_tile_width", 0),
+    ("sender_sms", -1),
 ])
 def test_kernel_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"{field}="):

@@ -41,9 +41,16 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = common.tile_grid(config, axis_size, m_shard, k, n)
   k_iters = grid.k_iters
-  per_sender, num_senders, send_gap = schedule.send_plan(
-      k_iters, grid.n_iters, config.spread_sends, config.send_gap)
   ring = axis_size > 1
+  sender_sms = config.sender_sms if ring else 0
+  if sender_sms:
+    # Dedicated sender blocks: sender j forwards k blocks [j * per, ...) of
+    # every row block; the compute tiles send nothing.
+    per_sender, num_senders, send_gap = schedule.send_plan(
+        k_iters, sender_sms, True)
+  else:
+    per_sender, num_senders, send_gap = schedule.send_plan(
+        k_iters, grid.n_iters, config.spread_sends, config.send_gap)
 
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
@@ -73,6 +80,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     if not ring:
       return common.TileHooks(
           run=lambda matmul: matmul(lhs_local_ref, first_row()))
+    if sender_sms:
+      return common.TileHooks(run=functools.partial(receive_and_run, step,
+                                                    m_idx, first_row))
 
     share = schedule.sender_share(n_idx, k_iters, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
@@ -107,24 +117,140 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         pl.semaphore_signal(arrived.at[step, m_idx],
                             device_id=common.peer_id(axis_name, send_to))
 
-    def run(matmul):
-      @pl.when(step == 0)
-      def _local():
-        matmul(lhs_local_ref, first_row())
+    return common.TileHooks(
+        run=functools.partial(receive_and_run, step, m_idx, first_row),
+        k_step=forward_slices)
 
-      @pl.when(step > 0)
-      def _received():
-        pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
-                          decrement=False)
-        matmul(scratch_ref.at[step - 1], first_row())
+  def receive_and_run(step, m_idx, first_row, matmul):
+    """Step 0 multiplies the local shard; a later step waits until every
+    sender's slice of its row block has landed, then multiplies that."""
+    @pl.when(step == 0)
+    def _local():
+      matmul(lhs_local_ref, first_row())
 
-    return common.TileHooks(run=run, k_step=forward_slices)
+    @pl.when(step > 0)
+    def _received():
+      pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+                        decrement=False)
+      matmul(scratch_ref.at[step - 1], first_row())
 
-  common.ring_tile_loop(
-      grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
-      begin_tile=begin_tile, delay_release=1,
-      k_order=lambda kk, n_idx: schedule.k_block(kk, n_idx, k_iters,
-                                                 per_sender, send_gap))
+  if not sender_sms:
+    common.ring_tile_loop(
+        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
+        begin_tile=begin_tile, delay_release=1,
+        k_order=lambda kk, n_idx: schedule.k_block(kk, n_idx, k_iters,
+                                                   per_sender, send_gap))
+    return
+
+  compute_blocks = common.num_sms() - sender_sms
+  block = lax.axis_index("cluster_grid")
+
+  @pl.when(block < compute_blocks)
+  def _compute():
+    common.ring_tile_loop(
+        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
+        begin_tile=begin_tile, delay_release=0, num_blocks=compute_blocks)
+
+  @pl.when(block >= compute_blocks)
+  def _send():
+    _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
+                  peer_scratch, arrived, send_to=send_to,
+                  axis_name=axis_name, axis_size=axis_size, config=config,
+                  m_iters=grid.m_iters, k_iters=k_iters, per=per_sender,
+                  num_senders=num_senders, wg_idx=grid.wg_idx)
+
+
+def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
+                  send_to, axis_name, axis_size, config: AllGatherConfig,
+                  m_iters, k_iters, per, num_senders, wg_idx):
+  """A sender block's copy loop: its k blocks of every row block of every
+  ring step, TMA-loaded from the local shard (step 0) or from the slot the
+  previous device filled (later steps, once every sender's slice of that
+  row block arrived) and TMA-stored into the next device's scratch, with
+  `config.sender_slots` chunks in flight. Each (step, row block) is
+  announced once this block's stores of it have landed. Runs on warpgroup
+  0; the others have nothing to do."""
+  cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
+  dtype = lhs_local_ref.dtype
+  slots = config.sender_slots(jnp.dtype(dtype).itemsize)
+  # Chunks whose stores may still be in flight when one is announced: the
+  # announce waits for all older ones, so a lag keeps the loop from
+  # draining the link at every row block.
+  lag = max(1, slots - 2)
+  share = schedule.sender_share(sender, k_iters, per)
+  num_chunks = (axis_size - 1) * m_iters * share
+  peer = common.peer_id(axis_name, send_to)
+
+  def chunk(c):
+    step, i, j = schedule.sender_chunk(c, share, m_iters)
+    return step, i, j, pl.ds(i * cta_tile_m, cta_tile_m), pl.ds(
+        (sender * per + j) * tile_k, tile_k)
+
+  @functools.partial(
+      pl.run_scoped,
+      buf=plgpu.SMEM((slots, cta_tile_m, tile_k), dtype,
+                     transforms=common.swizzled(dtype, tile_k)),
+      loaded=plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+      collective_axes="wg",
+  )
+  def _scope(buf, loaded):
+    @pl.when(wg_idx == 0)
+    def _sender():
+      def load(c):
+        step, i, j, rows, cols = chunk(c)
+        slot = lax.rem(c, slots)
+
+        @pl.when(step == 0)
+        def _local():
+          plgpu.copy_gmem_to_smem(lhs_local_ref.at[rows, cols],
+                                  buf.at[slot], loaded.at[slot])
+
+        @pl.when(step > 0)
+        def _received():
+          @pl.when(j == 0)
+          def _wait():  # Each row block of a later step once.
+            pl.semaphore_wait(arrived.at[step - 1, i], num_senders,
+                              decrement=False)
+          plgpu.copy_gmem_to_smem(scratch_ref.at[step - 1, rows, cols],
+                                  buf.at[slot], loaded.at[slot])
+
+      def announce_if_last(c):
+        step, i, j, _, _ = chunk(c)
+
+        @pl.when(j == share - 1)
+        def _announce():
+          pl.semaphore_signal(arrived.at[step, i], device_id=peer)
+
+      for c in range(slots - 1):  # The prologue: chunks 0 .. slots - 2.
+        pl.when(c < num_chunks)(functools.partial(load, c))
+
+      @pl.loop(0, num_chunks)
+      def _chunk(c):
+        step, _, _, rows, cols = chunk(c)
+        slot = lax.rem(c, slots)
+        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.copy_smem_to_gmem(buf.at[slot], peer_scratch.at[step, rows,
+                                                              cols])
+
+        # A row block whose last chunk is c - lag is announced once that
+        # store (and so every older one) has landed.
+        @pl.when((c >= lag) & (lax.rem(c - lag, share) == share - 1))
+        def _landed():
+          plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
+          announce_if_last(c - lag)
+
+        # Chunk c - 1's store has read its slot: refill it.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+        @pl.when(c + slots - 1 < num_chunks)
+        def _refill():
+          load(c + slots - 1)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+      @pl.loop(jnp.maximum(num_chunks - lag, 0), num_chunks)
+      def _tail(c):
+        announce_if_last(c)
 
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,

@@ -301,8 +301,31 @@ class TileHooks:
   epilogue: Callable[[Any], None] | None = None
 
 
+def persistent_loop(total: int, num_blocks: int):
+  """`plgpu.nd_loop` over `total` tiles, interleaved over the first
+  `num_blocks` blocks of the grid only (a block at or past `num_blocks`
+  runs no iteration)."""
+  block = lax.axis_index("cluster_grid")
+  blocks = jnp.int32(num_blocks)
+  upper = jnp.where(
+      block < blocks,
+      lax.div(jnp.int32(total), blocks) + (
+          block < lax.rem(jnp.int32(total), blocks)).astype(jnp.int32),
+      jnp.int32(0))
+
+  def decorator(body):
+    def wrapper(local, carry):
+      body(plgpu.NDLoopInfo(index=(local * blocks + block,),
+                            local_index=local, num_local_steps=upper))
+      return carry
+
+    lax.fori_loop(0, upper, wrapper, None)
+  return decorator
+
+
 def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
-                   begin_tile, delay_release, k_order=None, scratch=None):
+                   begin_tile, delay_release, k_order=None, scratch=None,
+                   num_blocks: int | None = None):
   """The body both ring kernels run: one persistent loop over the tiles of
   all D ring steps, each tile a warp-specialized pipeline (allocated once)
   accumulating into f32 registers, then an epilogue through two
@@ -320,6 +343,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       `k_order(kk, n_idx)`.
     scratch: further shared-memory allocations, `{name: allocation}`
       (reach them through `Tile.scratch`).
+    num_blocks: run the tiles on the first `num_blocks` blocks only (the
+      others are the collective's, e.g. dedicated senders); default all.
   """
   config = grid.config
   dtype, out_dtype = a_ref.dtype, out_ref.dtype
@@ -353,8 +378,11 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
-    @plgpu.nd_loop((grid.axis_size * grid.m_iters * grid.n_iters,),
-                   collective_axes="cluster_grid")
+    total = grid.axis_size * grid.m_iters * grid.n_iters
+    loop = (plgpu.nd_loop((total,), collective_axes="cluster_grid")
+            if num_blocks is None else persistent_loop(total, num_blocks))
+
+    @loop
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
       step, m_idx, n_idx = grid.coordinates(linear)

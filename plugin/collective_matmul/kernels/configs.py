@@ -13,6 +13,8 @@ from typing import Any
 KERNEL_DTYPES = ("bfloat16", "float16")
 SMEM_BYTES = 232_448  # Per-block shared memory on sm_90.
 SMEM_RESERVE = 1024  # Barriers and bookkeeping.
+# Chunks in flight per sender block (`AllGatherConfig.sender_sms`).
+MAX_SENDER_SLOTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +105,35 @@ class AllGatherConfig(TileConfig):
       send holds its shared-memory pipeline slot until NVLink has read it;
       with every SM sending at once, back-to-back sends would stall the
       pipeline on the link.
+    sender_sms: 0, or the number of blocks (one per SM) that only forward
+      the shards around the ring, with a TMA copy loop of their own
+      (`sender_slots` chunks in flight), while the other blocks only
+      multiply, their pipelines releasing slots at once. Worth it where the
+      tiles of a ring step leave SMs idle anyway (e.g. 128 tiles on 132
+      SMs); `spread_sends` and `send_gap` do not apply then.
   """
 
   spread_sends: bool = True
   send_gap: int = 12
+  sender_sms: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     _check_send_gap(self.send_gap)
+    if self.sender_sms < 0:
+      raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
+
+  @property
+  def sender_chunk_elems(self) -> int:
+    """Elements of one forwarded chunk (a CTA row block's `tile_k`
+    columns), the unit of the sender blocks' copy loop."""
+    return self.cta_tile_m * self.tile_k
+
+  def sender_slots(self, itemsize: int) -> int:
+    """Chunks a sender block keeps in flight: as many as fit in its shared
+    memory, at most `MAX_SENDER_SLOTS`."""
+    chunk = self.sender_chunk_elems * itemsize
+    return max(2, min(MAX_SENDER_SLOTS, (SMEM_BYTES - SMEM_RESERVE) // chunk))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,6 +107,16 @@ def last_send_step(n_idx, k_iters: int, per: int, gap: int):
   return (sender_share(n_idx, k_iters, per) - 1) * gap
 
 
+def sender_chunk(c, share: int, m_iters: int):
+  """Chunk `c` of a sender block's copy loop -> (ring step, row block, j):
+  the block forwards its `share` k blocks of every row block, row blocks in
+  order, step by step, so row block 0 of a step lands first. Its k block is
+  `sender * per + j` (`send_plan(k_iters, sender_sms, True)`)."""
+  per_step = m_iters * share
+  return (lax.div(c, per_step), lax.rem(lax.div(c, share), m_iters),
+          lax.rem(c, share))
+
+
 def output_row(local_row, source, axis_size: int, rows_per_batch: int):
   """Output row of `local_row` of device `source`'s shard.
 
