@@ -12,6 +12,8 @@ setup(
     packages=["collective_matmul", "collective_matmul.kernels",
               "collective_matmul.integrations",
               "collective_matmul.integrations.maxtext", "reference_host"],
+    # The packaged table of measured kernel configs (selection.py).
+    package_data={"collective_matmul": ["tuned_configs.json"]},
     install_requires=[
         # 0.10.2: jax.shard_map, jax.set_mesh, Explicit axes, reshard, and
         # Pallas Mosaic GPU with remote refs and global semaphores.

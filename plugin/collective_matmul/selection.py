@@ -2,24 +2,32 @@
 
 The layer between the kernels and the ops: whether the Hopper kernels apply
 (device, dtype, XLA settings, process layout), whether they pay off (the
-small-problem rule), the tile heuristics and the on-disk autotune cache, the
-device facts these read, and the one implementation decision for a forward
-pass and its backward (`choose_impl`, `backward_impl`), which the drop-in
-`dot_general` and the ops both use.
+small-problem rule), the tile heuristics, the on-disk autotune cache and the
+packaged table of measured configs, the device facts these read, and the one
+implementation decision for a forward pass and its backward (`choose_impl`,
+`backward_impl`), which the drop-in `dot_general` and the ops both use.
 
 Pure Python: it reads `kernels.configs` and `kernels.schedule` (no Pallas),
 so `import collective_matmul` does not import Mosaic GPU. The decision
 depends only on global facts (platform, device kind, dtype, per-shard sizes,
 flags), so every process answers the same; the per-host cache is not read
-in a multi-process program for that reason.
+in a multi-process program for that reason, while the packaged table
+(`tuned_configs.json`, shipped with the package) is.
+
+A kernel config comes from, first to last: the caller's explicit config; the
+per-host autotune cache (single-process programs only); the packaged table;
+the heuristics (`config_source` says which applies).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.resources
 import json
 import os
 import re
-from typing import NamedTuple
+import types
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +51,8 @@ __all__ = [
     "prepare_xla_for_kernels", "too_small_reason", "tile_candidates",
     "fit_shared_memory", "select_config", "select_reduce_scatter_config",
     "cache_path", "cache_key", "load_cached_config", "store_cached_config",
+    "TUNED_CONFIGS_FILE", "parse_tuned_configs", "packaged_table",
+    "packaged_config", "config_source",
     "Verdict", "kernel_verdict", "Choice", "choose_impl", "backward_impl",
     "padding", "supports_rows_per_batch",
 ]
@@ -217,21 +227,49 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
                   num_sms: int = 132, out_dtype=None) -> AllGatherConfig:
   """The all-gather kernel's config for local shards `m x k` and `k x n`.
 
-  Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`), else
-  picks by a heuristic: the largest CTA tile that needs the least padding and
-  still gives at least half the SMs work across the ring. Pipeline depth is
-  reduced where a float32 output's epilogue buffers would not fit.
+  Looks first in the autotune cache (`COLLECTIVE_MATMUL_TUNING_CACHE`, in a
+  single-process program), then in the packaged table (`packaged_config`),
+  else picks by a heuristic: the largest CTA tile that needs the least
+  padding and still gives at least half the SMs work across the ring.
+  Pipeline depth is reduced where a float32 output's epilogue buffers would
+  not fit.
   """
-  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
-                           Collective.ALL_GATHER)
-  return cached or _heuristic_config(m, k, n, dtype, axis_size, num_sms,
-                                     out_dtype)
+  tuned = _tuned(m, k, n, dtype, axis_size, out_dtype, Collective.ALL_GATHER)
+  return tuned.config if tuned else _heuristic_config(
+      m, k, n, dtype, axis_size, num_sms, out_dtype)
 
 
-def _cached_fitting(m, k, n, dtype, axis_size, out_dtype, pattern):
-  cached = load_cached_config(m, k, n, dtype, axis_size, pattern=pattern)
-  return None if cached is None else fit_shared_memory(cached, dtype,
-                                                       out_dtype)
+AUTOTUNE_CACHE = "autotune cache"
+PACKAGED_TABLE = "packaged table"
+HEURISTIC = "heuristic"
+
+
+class _Tuned(NamedTuple):
+  source: str  # AUTOTUNE_CACHE or PACKAGED_TABLE.
+  config: TileConfig
+
+
+def _tuned(m, k, n, dtype, axis_size, out_dtype, pattern) -> _Tuned | None:
+  """The first measured config of this problem that fits shared memory (with
+  `out_dtype`): the per-host autotune cache's, then the packaged table's."""
+  for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
+                         (PACKAGED_TABLE, packaged_config)):
+    found = lookup(m, k, n, dtype, axis_size, pattern=pattern)
+    fitted = None if found is None else fit_shared_memory(found, dtype,
+                                                          out_dtype)
+    if fitted is not None:
+      return _Tuned(source, fitted)
+  return None
+
+
+def config_source(m: int, k: int, n: int, dtype, axis_size: int,
+                  out_dtype=None, *, pattern=Collective.ALL_GATHER) -> str:
+  """Where `select_config` (pattern all_gather) or
+  `select_reduce_scatter_config` (reduce_scatter) takes this problem's
+  config from: "autotune cache", "packaged table" or "heuristic"."""
+  tuned = _tuned(m, k, n, dtype, axis_size, out_dtype,
+                 Collective.parse(pattern, "pattern"))
+  return tuned.source if tuned else HEURISTIC
 
 
 def _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype):
@@ -266,8 +304,8 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   (the kernel does not forward from its pipeline, so it releases slots
   without delay and 3 stages prefetch as deep as the all-gather's 4).
   Kept as selected when a wider epilogue would leave fewer than 3 stages.
-  An autotune cache entry for this pattern (never the all-gather kernel's)
-  takes precedence.
+  An autotune cache entry, else a packaged table entry, for this pattern
+  (never the all-gather kernel's) takes precedence.
 
   Send pacing: with D = 2 and a ring step's tiles in one wave, every SM
   stores its partial sum at the same moment, and 4 row pieces 6 steps apart
@@ -275,10 +313,10 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   12 apart are best. The measurements: benchmarks/RESULTS.md (the
   reduce-scatter kernel's "What limited it" and the 4 x H200 section).
   """
-  cached = _cached_fitting(m, k, n, dtype, axis_size, out_dtype,
-                           Collective.REDUCE_SCATTER)
-  if cached is not None:
-    return cached
+  tuned = _tuned(m, k, n, dtype, axis_size, out_dtype,
+                 Collective.REDUCE_SCATTER)
+  if tuned is not None:
+    return tuned.config
   base = ReduceScatterConfig(**_heuristic_config(
       m, k, n, dtype, axis_size, num_sms, out_dtype).tile_fields())
   if base.tile_m % 2 or (base.tile_m // 2) % 64:
@@ -320,6 +358,22 @@ def cache_key(m, k, n, dtype, axis_size, device_kind=None,
           else f"{pattern.value}|{key}")
 
 
+def _key_pattern(key: str) -> Collective:
+  """The pattern of a `cache_key`."""
+  head = key.split("|", 1)[0]
+  return (Collective.parse(head, "pattern") if head in CACHE_PATTERNS
+          else Collective.ALL_GATHER)
+
+
+def _config_from_fields(pattern: Collective, fields) -> TileConfig:
+  """`pattern`'s config class built from an entry's fields (a JSON object).
+  Raises TypeError or ValueError when they do not build one (unknown,
+  missing or invalid fields)."""
+  if not isinstance(fields, dict):
+    raise TypeError(f"config {fields!r} is not a JSON object")
+  return _CONFIG_CLASSES[pattern](**fields)
+
+
 _warned_multiprocess_cache = []
 
 
@@ -349,7 +403,7 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind=None, *,
   try:
     with open(path) as f:
       entry = json.load(f).get(key)
-    return _CONFIG_CLASSES[pattern](**entry) if entry else None
+    return _config_from_fields(pattern, entry) if entry else None
   except (OSError, ValueError, TypeError, AttributeError):
     return None
 
@@ -376,6 +430,64 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
     json.dump(table, f, indent=1, sort_keys=True)
   os.replace(path + ".tmp", path)
   return path
+
+
+# --------------------------------------------- packaged table of measured configs
+
+# Package data next to this module; its "_about" says how entries are made.
+TUNED_CONFIGS_FILE = "tuned_configs.json"
+
+
+def parse_tuned_configs(data, origin: str = TUNED_CONFIGS_FILE
+                        ) -> Mapping[str, TileConfig]:
+  """{cache key: config} of a table in `tuned_configs.json`'s format.
+
+  An entry whose key or config is missing, whose fields do not build its
+  kernel's config class (fields of another version), or whose key repeats
+  an earlier entry is skipped with a logged warning, never an error.
+  """
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  table = {}
+  entries = data.get("entries", []) if isinstance(data, dict) else None
+  if not isinstance(entries, list):
+    logging.warning("collective matmul: %s has no list of entries; not used",
+                    origin)
+    return types.MappingProxyType(table)
+  for i, entry in enumerate(entries):
+    try:
+      key = entry["key"]
+      if key in table:
+        raise ValueError(f"key {key!r} repeats an earlier entry")
+      table[key] = _config_from_fields(_key_pattern(key), entry["config"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      logging.warning("collective matmul: entry %d of %s skipped: %s", i,
+                      origin, e)
+  return types.MappingProxyType(table)
+
+
+@functools.cache
+def packaged_table() -> Mapping[str, TileConfig]:
+  """The packaged table of measured configs (`tuned_configs.json`), read
+  once; empty, with a logged warning, when it cannot be read."""
+  try:
+    text = importlib.resources.files(__package__).joinpath(
+        TUNED_CONFIGS_FILE).read_text()
+    data = json.loads(text)
+  except (OSError, ValueError) as e:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning("collective matmul: the packaged table %s is not "
+                    "readable (%s); not used", TUNED_CONFIGS_FILE, e)
+    return types.MappingProxyType({})
+  return parse_tuned_configs(data)
+
+
+def packaged_config(m, k, n, dtype, axis_size, device_kind=None, *,
+                    pattern=Collective.ALL_GATHER):
+  """The packaged table's measured config of this problem for `pattern`'s
+  kernel, or None. Read in a multi-process program too: the table ships
+  with the package, so every process reads the same one."""
+  return packaged_table().get(cache_key(m, k, n, dtype, axis_size,
+                                        device_kind, pattern))
 
 
 # -------------------------------------------------- the implementation decision
