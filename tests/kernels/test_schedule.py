@@ -214,6 +214,28 @@ def test_sender_blocks_forward_every_chunk_once_row_blocks_in_order(
                           for i in range(m_iters) for kb in range(k_iters)]
 
 
+@pytest.mark.parametrize("slots", [2, 3, 7, 12])
+def test_sender_pipeline_never_loads_over_an_unread_store(slots):
+  """Replays the copy loop's order: chunk c is stored at iteration c; after
+  the wait (at most `in_flight` stores unread) chunk c + ahead is loaded
+  into slot (c + ahead) % slots. No load may hit a slot whose store is
+  still unread, or a slot not yet stored from; an announce waits only for
+  stores at least `lag` old."""
+  ahead, in_flight, lag = schedule.sender_pipeline(slots)
+  assert ahead >= 1 and in_flight >= 1 and ahead + in_flight == slots
+  assert lag >= in_flight
+  n = 50
+  holder = {c % slots: c for c in range(ahead)}  # Slot -> chunk loaded.
+  for c in range(n):
+    assert holder[c % slots] == c  # Its load went to its own slot.
+    stored_unread = set(range(max(0, c - in_flight + 1), c + 1))
+    if c + ahead < n:
+      previous = holder.get((c + ahead) % slots)
+      assert previous is None or (previous < c - in_flight + 1
+                                  and previous not in stored_unread)
+      holder[(c + ahead) % slots] = c + ahead
+
+
 def test_sender_slots_fit_shared_memory():
   for config in (Config(sender_sms=4), Config(tile_m=128, wg_dimension="m",
                                               tile_k=128, sender_sms=4)):

@@ -166,17 +166,14 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   """A sender block's copy loop: its k blocks of every row block of every
   ring step, TMA-loaded from the local shard (step 0) or from the slot the
   previous device filled (later steps, once every sender's slice of that
-  row block arrived) and TMA-stored into the next device's scratch, with
-  `config.sender_slots` chunks in flight. Each (step, row block) is
-  announced once this block's stores of it have landed. Runs on warpgroup
-  0; the others have nothing to do."""
+  row block arrived) and TMA-stored into the next device's scratch
+  (`schedule.sender_pipeline`: loads ahead and stores in flight). Each
+  (step, row block) is announced once this block's stores of it have
+  landed. Runs on warpgroup 0; the others have nothing to do."""
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
-  # Chunks whose stores may still be in flight when one is announced: the
-  # announce waits for all older ones, so a lag keeps the loop from
-  # draining the link at every row block.
-  lag = max(1, slots - 2)
+  ahead, in_flight, lag = schedule.sender_pipeline(slots)
   share = schedule.sender_share(sender, k_iters, per)
   num_chunks = (axis_size - 1) * m_iters * share
   peer = common.peer_id(axis_name, send_to)
@@ -221,7 +218,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
         def _announce():
           pl.semaphore_signal(arrived.at[step, i], device_id=peer)
 
-      for c in range(slots - 1):  # The prologue: chunks 0 .. slots - 2.
+      for c in range(ahead):  # The prologue: the first loads.
         pl.when(c < num_chunks)(functools.partial(load, c))
 
       @pl.loop(0, num_chunks)
@@ -239,12 +236,13 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
           plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
           announce_if_last(c - lag)
 
-        # Chunk c - 1's store has read its slot: refill it.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        # Chunk c + ahead goes where chunk c - in_flight was: once that
+        # store has read it (at most `in_flight` newer stores pending).
+        plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
 
-        @pl.when(c + slots - 1 < num_chunks)
+        @pl.when(c + ahead < num_chunks)
         def _refill():
-          load(c + slots - 1)
+          load(c + ahead)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 

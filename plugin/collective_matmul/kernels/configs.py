@@ -14,7 +14,7 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 SMEM_BYTES = 232_448  # Per-block shared memory on sm_90.
 SMEM_RESERVE = 1024  # Barriers and bookkeeping.
 # Chunks in flight per sender block (`AllGatherConfig.sender_sms`).
-MAX_SENDER_SLOTS = 8
+MAX_SENDER_SLOTS = 12
 
 
 @dataclasses.dataclass(frozen=True)
