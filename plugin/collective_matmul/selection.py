@@ -235,8 +235,44 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   not fit.
   """
   tuned = _tuned(m, k, n, dtype, axis_size, out_dtype, Collective.ALL_GATHER)
-  return tuned.config if tuned else _heuristic_config(
-      m, k, n, dtype, axis_size, num_sms, out_dtype)
+  if tuned:
+    return tuned.config
+  base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
+  return _sender_config(base, m, n, dtype, axis_size, num_sms,
+                        out_dtype) or base
+
+
+# Sender blocks of the dedicated-sender schedule (`AllGatherConfig.sender_sms`).
+SENDER_SMS = 4
+
+
+def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
+                   out_dtype) -> AllGatherConfig | None:
+  """The dedicated-sender schedule where it was measured to win, else None.
+
+  When every ring step's tiles of `base` fit in one wave, the remote tiles
+  sit idle until sends paced through the local tiles' k loops deliver their
+  rows. There, `SENDER_SMS` blocks that only send (about 30 GB/s each) and
+  the largest CTA tile (>= 128 rows) whose ring step fills the other SMs
+  once let each SM run its local tile while its remote rows arrive:
+  512/4096/4096 bf16 on 2 x H200 went from 82.9 to 59.8 us (the upstream
+  example 95.2, NCCL + cuBLAS 79.3; benchmarks/kernel_lead/). Measured at
+  D = 2 only; at the seed shape (two waves) it lost (120 against 104 us),
+  so it stays off there.
+  """
+  if axis_size != 2 or axis_size * _tiles_per_step(base, m, n) > num_sms:
+    return None
+  compute = num_sms - SENDER_SMS
+  fitting = [
+      c for c in (fit_shared_memory(dataclasses.replace(
+          t, sender_sms=SENDER_SMS), dtype, out_dtype)
+                  for t in tile_candidates())
+      if c is not None and c.cta_tile_m >= 128
+      and _tiles_per_step(c, m, n) <= compute]
+  if not fitting:
+    return None
+  # The first of the fullest (candidates in `tile_candidates` order).
+  return max(fitting, key=lambda c: _tiles_per_step(c, m, n))
 
 
 AUTOTUNE_CACHE = "autotune cache"

@@ -59,12 +59,14 @@ def test_select_config_fits_shared_memory_for_float32_output():
 def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
   for m, k, n in SHAPES:
     for dtype in ("bfloat16", "float16"):
-      base = selection.select_config(m, k, n, dtype, 2, out_dtype=out_dtype)
+      # The all-gather's heuristic tiles (its dedicated-sender schedule may
+      # pick others for itself).
+      base = selection._heuristic_config(m, k, n, dtype, 2, 132, out_dtype)
       config = selection.select_reduce_scatter_config(m, k, n, dtype, 2,
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
       assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
-      # Same tiles and padding as the all-gather kernel's pick.
+      # Same tiles and padding as the all-gather kernel's heuristic.
       assert (config.tile_m, config.tile_n, config.wg_dimension) == (
           base.tile_m, base.tile_n, base.wg_dimension)
       if config != configs.ReduceScatterConfig(**base.tile_fields()):
@@ -268,3 +270,33 @@ def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
     autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
                         configs=[Config()], iterations=1, store=False)
   assert "no candidate ran" not in str(info.value)
+
+
+@pytest.mark.parametrize("m,k,n,d,senders,cta", [
+    # Every ring step's tiles in one wave at D = 2: dedicated senders, and
+    # 128 x 128 tiles so a ring step fills the 128 compute SMs once
+    # (measured: 82.9 -> 59.8 us at 512/4096/4096).
+    (512, 4096, 4096, 2, 4, (128, 128)),
+    # A wider n: several waves per step, today's schedule.
+    (512, 4096, 11008, 2, 0, (128, 256)),
+    # Two waves per step (the seed shape: senders lost, 120 vs 104 us).
+    (1024, 4096, 4096, 2, 0, (128, 256)),
+    # D = 4 is not measured: today's schedule.
+    (512, 4096, 4096, 4, 0, (128, 256)),
+    # Senders, but only 64 tiles per step: `too_small_reason` still sends
+    # impl="auto" to NCCL + cuBLAS (tested below).
+    (256, 4096, 4096, 2, 4, (128, 128)),
+])
+def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
+  config = selection.select_config(m, k, n, "bfloat16", d)
+  assert config.sender_sms == senders
+  assert (config.cta_tile_m, config.cta_tile_n) == cta
+
+
+def test_dedicated_senders_make_the_small_shape_worth_overlapping():
+  assert selection.too_small_reason(512, 4096, 4096, "bfloat16", 2) is None
+  assert "output tiles per ring step" in selection.too_small_reason(
+      256, 4096, 4096, "bfloat16", 2)
+  # Without senders (D = 4) the same shard stays with NCCL + cuBLAS.
+  assert "output tiles per ring step" in selection.too_small_reason(
+      512, 4096, 4096, "bfloat16", 4)
