@@ -59,16 +59,19 @@ def test_select_config_fits_shared_memory_for_float32_output():
 def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
   for m, k, n in SHAPES:
     for dtype in ("bfloat16", "float16"):
-      # The all-gather's heuristic tiles (its dedicated-sender schedule may
-      # pick others for itself).
+      # The all-gather's heuristic tiles, unless all ring steps' tiles run
+      # in one wave and 128-row tiles fill more SMs per step.
       base = selection._heuristic_config(m, k, n, dtype, 2, 132, out_dtype)
       config = selection.select_reduce_scatter_config(m, k, n, dtype, 2,
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
       assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
-      # Same tiles and padding as the all-gather kernel's heuristic.
-      assert (config.tile_m, config.tile_n, config.wg_dimension) == (
-          base.tile_m, base.tile_n, base.wg_dimension)
+      if (config.tile_m, config.tile_n, config.wg_dimension) != (
+          base.tile_m, base.tile_n, base.wg_dimension):
+        assert 2 * selection._tiles_per_step(base, m, n) <= 132
+        assert config.cta_tile_m >= 128
+        assert (selection._tiles_per_step(config, m, n)
+                > selection._tiles_per_step(base, m, n))
       if config != configs.ReduceScatterConfig(**base.tile_fields()):
         # Whole warpgroup tile in the two slots, >= 3 stages left.
         assert 2 * config.epi_tile_m * config.epi_tile_n == (
@@ -283,9 +286,9 @@ def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
     (1024, 4096, 4096, 2, 0, (128, 256)),
     # D = 4 is not measured: today's schedule.
     (512, 4096, 4096, 4, 0, (128, 256)),
-    # Senders, but only 64 tiles per step: `too_small_reason` still sends
-    # impl="auto" to NCCL + cuBLAS (tested below).
-    (256, 4096, 4096, 2, 4, (128, 128)),
+    # The heuristic's tiles already give as many tiles per step as 128-row
+    # tiles could: no senders (and too small for impl="auto", below).
+    (256, 4096, 4096, 2, 0, (128, 128)),
 ])
 def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   config = selection.select_config(m, k, n, "bfloat16", d)
@@ -300,3 +303,19 @@ def test_dedicated_senders_make_the_small_shape_worth_overlapping():
   # Without senders (D = 4) the same shard stays with NCCL + cuBLAS.
   assert "output tiles per ring step" in selection.too_small_reason(
       512, 4096, 4096, "bfloat16", 4)
+
+
+@pytest.mark.parametrize("m,k,n,d,tiles,pacing", [
+    # All ring steps' tiles in one wave at D = 2: 128 x 128 tiles so a step
+    # fills the SMs once (measured: 63.7 -> 55.8 us at 512/4096/4096).
+    (512, 4096, 4096, 2, (128, 128), (4, 6)),
+    (1024, 4096, 4096, 2, (128, 256), (4, 6)),  # Two waves: as before.
+    (512, 4096, 4096, 4, (128, 256), (2, 12)),  # D = 4: not measured.
+    # Tiny: the heuristic's 64-row tiles already fill more SMs; kept.
+    (200, 1000, 384, 2, (64, 128), None),
+])
+def test_reduce_scatter_tiles_fill_a_ring_step(m, k, n, d, tiles, pacing):
+  config = selection.select_reduce_scatter_config(m, k, n, "bfloat16", d)
+  assert (config.cta_tile_m, config.cta_tile_n) == tiles
+  if pacing:
+    assert (config.send_pieces, config.send_gap) == pacing
