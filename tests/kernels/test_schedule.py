@@ -253,7 +253,7 @@ def test_sender_slots_fit_shared_memory():
     ("epi_tile_n", 100), ("tile_k", 48), ("tile_k", 256),
     ("max_concurrent_steps", 1), ("wg_dimension", "k"),
     ("grid_minor_dim", "x"), ("send_gap", 0), ("grid_tile_width", 0),
-    ("sender_sms", -1), ("sender_fraction", 0), ("sender_fraction", 1.5),
+    ("sender_sms", -1),
 ])
 def test_kernel_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"{field}="):
@@ -268,34 +268,3 @@ def test_kernel_config_epilogue_must_divide_tile():
 def test_kernel_config_json_roundtrip():
   config = Config(tile_m=64, wg_dimension="m", send_gap=3)
   assert Config(**json.loads(json.dumps(config.to_json()))) == config
-
-
-@pytest.mark.parametrize("k_iters,first,n_iters,gap", [
-    (64, 38, 16, 12), (64, 32, 32, 12), (64, 63, 16, 12), (8, 3, 5, 2),
-    (25, 10, 4, 24)])
-def test_tiles_forward_the_k_blocks_past_the_senders_once(k_iters, first,
-                                                          n_iters, gap):
-  """With sender blocks forwarding k blocks [0, first), each tile's
-  pipeline still visits every k block once, and the tiles' sends cover
-  exactly [first, k_iters), each at one of its tile's send steps."""
-  per, senders, gap = schedule.send_plan(k_iters - first, n_iters, True, gap)
-  sent = []
-  for n_idx in range(n_iters):
-    order = [int(schedule.k_block(jnp.int32(kk), jnp.int32(n_idx), k_iters,
-                                  per, gap, first)) for kk in range(k_iters)]
-    assert sorted(order) == list(range(k_iters)), (n_idx, order)
-    for kk in range(k_iters):
-      if bool(schedule.is_send_step(jnp.int32(kk), jnp.int32(n_idx),
-                                    k_iters - first, per, gap)):
-        sent.append(order[kk])
-        assert kk <= int(schedule.last_send_step(
-            jnp.int32(n_idx), k_iters - first, per, gap)) < k_iters
-  assert sorted(sent) == list(range(first, k_iters))
-  assert senders == math.ceil((k_iters - first) / per)
-
-
-@pytest.mark.parametrize("k_iters,fraction,expected", [
-    (64, 1.0, 64), (64, 0.5, 32), (64, 0.6, 39), (64, 0.01, 1), (3, 0.34, 2),
-    (10, 0.3, 3)])
-def test_sender_k_blocks_rounds_the_fraction_up(k_iters, fraction, expected):
-  assert schedule.sender_k_blocks(k_iters, fraction) == expected

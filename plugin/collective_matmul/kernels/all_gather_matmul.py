@@ -43,22 +43,14 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   k_iters = grid.k_iters
   ring = axis_size > 1
   sender_sms = config.sender_sms if ring else 0
-  # Dedicated sender blocks forward k blocks [0, k_senders) of every row
-  # block, sender j the ones from j * per_sms; the compute tiles forward
-  # [k_senders, k_iters) from their pipelines (`k_tiles` of them).
-  k_senders = (schedule.sender_k_blocks(k_iters, config.sender_fraction)
-               if sender_sms else 0)
-  k_tiles = k_iters - k_senders
-  per_sms, num_sms_senders = 0, 0
   if sender_sms:
-    per_sms, num_sms_senders, _ = schedule.send_plan(k_senders, sender_sms,
-                                                     True)
-  per_sender, num_senders, send_gap = 0, 0, 1
-  if k_tiles:
+    # Dedicated sender blocks: sender j forwards k blocks [j * per, ...) of
+    # every row block; the compute tiles send nothing.
     per_sender, num_senders, send_gap = schedule.send_plan(
-        k_tiles, grid.n_iters, config.spread_sends, config.send_gap)
-  # Signals that announce a whole row block: the tiles' and the senders'.
-  num_senders += num_sms_senders
+        k_iters, sender_sms, True)
+  else:
+    per_sender, num_senders, send_gap = schedule.send_plan(
+        k_iters, grid.n_iters, config.spread_sends, config.send_gap)
 
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
@@ -88,24 +80,23 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     if not ring:
       return common.TileHooks(
           run=lambda matmul: matmul(lhs_local_ref, first_row()))
-    if not k_tiles:
+    if sender_sms:
       return common.TileHooks(run=functools.partial(receive_and_run, step,
                                                     m_idx, first_row))
 
-    share = schedule.sender_share(n_idx, k_tiles, per_sender)
+    share = schedule.sender_share(n_idx, k_iters, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
-    last_send = schedule.last_send_step(n_idx, k_tiles, per_sender, send_gap)
+    last_send = schedule.last_send_step(n_idx, k_iters, per_sender, send_gap)
     # Announce once the last slice has had `send_gap` steps to land.
     signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
     def forward_slices(kk, a_smem):
-      k_block = schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap,
-                                 k_senders)
+      k_block = schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap)
       sender = forwards & (grid.wg_idx == 0)
-      sends_now = schedule.is_send_step(kk, n_idx, k_tiles, per_sender,
+      sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
                                         send_gap)
       sent_before = (kk > 0) & schedule.is_send_step(
-          kk - 1, n_idx, k_tiles, per_sender, send_gap)
+          kk - 1, n_idx, k_iters, per_sender, send_gap)
 
       # The slot of step kk - 1 is released when this body returns
       # (delay_release=1): its send must have finished reading it.
@@ -143,18 +134,12 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                         decrement=False)
       matmul(scratch_ref.at[step - 1], first_row())
 
-  tile_loop = functools.partial(
-      common.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
-      row_block=row_block, begin_tile=begin_tile)
-  if k_tiles:  # The tiles forward from their slots: release them late.
-    tile_loop = functools.partial(
-        tile_loop, delay_release=1,
-        k_order=lambda kk, n_idx: schedule.k_block(
-            kk, n_idx, k_iters, per_sender, send_gap, k_senders))
-  else:
-    tile_loop = functools.partial(tile_loop, delay_release=0)
   if not sender_sms:
-    tile_loop()
+    common.ring_tile_loop(
+        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
+        begin_tile=begin_tile, delay_release=1,
+        k_order=lambda kk, n_idx: schedule.k_block(kk, n_idx, k_iters,
+                                                   per_sender, send_gap))
     return
 
   compute_blocks = common.num_sms() - sender_sms
@@ -162,22 +147,24 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
 
   @pl.when(block < compute_blocks)
   def _compute():
-    tile_loop(num_blocks=compute_blocks)
+    common.ring_tile_loop(
+        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
+        begin_tile=begin_tile, delay_release=0, num_blocks=compute_blocks)
 
   @pl.when(block >= compute_blocks)
   def _send():
     _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
                   peer_scratch, arrived, send_to=send_to,
                   axis_name=axis_name, axis_size=axis_size, config=config,
-                  m_iters=grid.m_iters, k_senders=k_senders, per=per_sms,
+                  m_iters=grid.m_iters, k_iters=k_iters, per=per_sender,
                   num_senders=num_senders, wg_idx=grid.wg_idx)
 
 
 def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
                   send_to, axis_name, axis_size, config: AllGatherConfig,
-                  m_iters, k_senders, per, num_senders, wg_idx):
-  """A sender block's copy loop: its k blocks (of the first `k_senders`)
-  of every row block of every ring step, TMA-loaded from the local shard (step 0) or from the slot the
+                  m_iters, k_iters, per, num_senders, wg_idx):
+  """A sender block's copy loop: its k blocks of every row block of every
+  ring step, TMA-loaded from the local shard (step 0) or from the slot the
   previous device filled (later steps, once every sender's slice of that
   row block arrived) and TMA-stored into the next device's scratch
   (`schedule.sender_pipeline`: loads ahead and stores in flight). Each
@@ -187,7 +174,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
   ahead, in_flight, lag = schedule.sender_pipeline(slots)
-  share = schedule.sender_share(sender, k_senders, per)
+  share = schedule.sender_share(sender, k_iters, per)
   num_chunks = (axis_size - 1) * m_iters * share
   peer = common.peer_id(axis_name, send_to)
 

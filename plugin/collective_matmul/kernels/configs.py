@@ -108,28 +108,20 @@ class AllGatherConfig(TileConfig):
     sender_sms: 0, or the number of blocks (one per SM) that only forward
       the shards around the ring, with a TMA copy loop of their own
       (`sender_slots` chunks in flight), while the other blocks only
-      multiply. Worth it where the tiles of a ring step leave SMs idle
-      anyway (e.g. 128 tiles on 132 SMs).
-    sender_fraction: with `sender_sms`, the fraction of each row block's k
-      blocks (the first ones, rounded up) the sender blocks forward; the
-      compute tiles forward the rest from their pipelines as without
-      senders (`spread_sends`, `send_gap`). 1: the tiles send nothing and
-      release their pipeline slots at once.
+      multiply, their pipelines releasing slots at once. Worth it where the
+      tiles of a ring step leave SMs idle anyway (e.g. 128 tiles on 132
+      SMs); `spread_sends` and `send_gap` do not apply then.
   """
 
   spread_sends: bool = True
   send_gap: int = 12
   sender_sms: int = 0
-  sender_fraction: float = 1.0
 
   def __post_init__(self):
     super().__post_init__()
     _check_send_gap(self.send_gap)
     if self.sender_sms < 0:
       raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
-    if not 0 < self.sender_fraction <= 1:
-      raise ValueError(
-          f"sender_fraction={self.sender_fraction} must be in (0, 1]")
 
   @property
   def sender_chunk_elems(self) -> int:

@@ -85,21 +85,17 @@ def is_send_step(kk, n_idx, k_iters: int, per: int, gap: int):
   return (lax.rem(kk, gap) == 0) & (lax.div(kk, gap) < share)
 
 
-def k_block(kk, n_idx, k_iters: int, per: int, gap: int, first: int = 0):
+def k_block(kk, n_idx, k_iters: int, per: int, gap: int):
   """The k block a tile's pipeline loads at step `kk`: a permutation of k.
 
-  The tiles forward k blocks [first, k_iters) (the sender blocks, if any,
-  forward [0, first)). N-tile `n_idx` forwards the `share` blocks starting
-  at `first + n_idx * per`; they are placed at its send steps 0, gap,
-  2 * gap, ... (`is_send_step` over the `k_iters - first` forwarded blocks,
-  so the sends are paced and the tile's own slice of the row block leaves
-  early); the other blocks fill the remaining steps in increasing order.
+  N-tile `n_idx` forwards the `share` blocks starting at `n_idx * per`; they
+  are placed at its send steps 0, gap, 2 * gap, ... (`is_send_step`, so the
+  sends are paced and the tile's own slice of the row block leaves early);
+  the other blocks fill the remaining steps in increasing order.
   """
-  share = sender_share(n_idx, k_iters - first, per)
+  share = sender_share(n_idx, k_iters, per)
   start = n_idx * per
-  if first:
-    start = start + first
-  in_share = is_send_step(kk, n_idx, k_iters - first, per, gap)
+  in_share = is_send_step(kk, n_idx, k_iters, per, gap)
   shares_so_far = jnp.minimum(lax.div(kk, gap) + 1, share)
   other = kk - shares_so_far
   other = jnp.where(other < start, other, other + share)
@@ -111,13 +107,7 @@ def last_send_step(n_idx, k_iters: int, per: int, gap: int):
   return (sender_share(n_idx, k_iters, per) - 1) * gap
 
 
-def sender_k_blocks(k_iters: int, fraction: float) -> int:
-  """How many k blocks of each row block the sender blocks forward (the
-  first ones): `fraction` of them rounded up, at least one."""
-  return min(k_iters, max(1, math.ceil(fraction * k_iters - 1e-9)))
-
-
-def sender_chunk(c, share, m_iters: int):
+def sender_chunk(c, share: int, m_iters: int):
   """Chunk `c` of a sender block's copy loop -> (ring step, row block, j):
   the block forwards its `share` k blocks of every row block, row blocks in
   order, step by step, so row block 0 of a step lands first. Its k block is
