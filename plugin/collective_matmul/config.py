@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import fnmatch
 from typing import Callable, Iterator
 
 from collective_matmul.enums import Impl
@@ -44,6 +45,10 @@ class CollectiveMatmulConfig:
       (`grouped_logical_dot_general`: q/k/v, wi_0/wi_1) run as one
       collective matmul over their concatenated weight columns, sending the
       activation once; off: one collective matmul each.
+    exclude: call sites left to XLA whatever they match: their names as
+      the decision record gives them (e.g. `decoder/logits_dense`), or
+      shell-style patterns (`*logits*`). A call without a name is never
+      excluded.
   """
 
   enabled: bool = False
@@ -54,12 +59,24 @@ class CollectiveMatmulConfig:
   save_gathered: bool = True
   reduce_scatter_kernel: bool = True
   group_siblings: bool = True
+  exclude: tuple[str, ...] = ()
 
   def __post_init__(self):
+    if isinstance(self.exclude, str):
+      raise TypeError(f"exclude={self.exclude!r} must be a sequence of "
+                      "names or patterns, not one string")
+    object.__setattr__(self, "exclude", tuple(self.exclude))
     # Strings (flag values, code) become members here, validated once.
     object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
     object.__setattr__(self, "fallback_impl", Impl.parse(
         self.fallback_impl, "fallback_impl", FALLBACK_IMPLEMENTATIONS))
+
+
+def excluded_by(cfg: CollectiveMatmulConfig, name: str | None) -> str | None:
+  """The `exclude` entry that matches the call named `name`, or None."""
+  if not name:
+    return None
+  return next((p for p in cfg.exclude if fnmatch.fnmatchcase(name, p)), None)
 
 
 _state = threading.local()

@@ -36,6 +36,12 @@ _GROUP_SIBLINGS = flags.DEFINE_bool(
     "Run projections of one activation (unfused q/k/v, wi_0/wi_1) as one "
     "collective matmul over their concatenated weights; off: one each.")
 
+_EXCLUDE = flags.DEFINE_list(
+    "collective_matmul_exclude", [],
+    "Comma-separated names (as in the decision record, e.g. "
+    "decoder/logits_dense) or shell-style patterns (*logits*) of projections "
+    "to leave to XLA.")
+
 
 def config_from_flags() -> config_lib.CollectiveMatmulConfig:
   """The configuration the parsed absl flags ask for.
@@ -51,7 +57,7 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
       enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
       save_gathered=_SAVE_GATHERED.value,
       reduce_scatter_kernel=_RS_KERNEL.value,
-      group_siblings=_GROUP_SIBLINGS.value)
+      group_siblings=_GROUP_SIBLINGS.value, exclude=tuple(_EXCLUDE.value))
 
 
 def _config_if_parsed() -> config_lib.CollectiveMatmulConfig | None:

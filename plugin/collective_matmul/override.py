@@ -349,6 +349,10 @@ def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   if 0 in lhs.shape or 0 in rhs.shape:
     return left_to_xla(f"empty operand {lhs.shape}x{rhs.shape}",
                        fallback=False)
+  excluded = config_lib.excluded_by(cfg, name)
+  if excluded is not None:
+    return left_to_xla(f"excluded by the configuration ({excluded!r})",
+                       fallback=False)
   try:
     specs = (_explicit_specs(lhs, rhs) if mode == "explicit" else
              _logical_specs(lhs, rhs, lhs_axes, rhs_axes))
