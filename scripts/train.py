@@ -16,7 +16,9 @@ off, and prints which layers were rewritten.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import signal
 import sys
 import tempfile
 
@@ -183,6 +185,9 @@ def _train(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+  # A run that seems stuck: `kill -USR1 <pid>` prints every thread's stack
+  # to stderr (and the run goes on).
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   if not flags.FLAGS["verbosity"].present:
     # Quiet by default: progress lines and the decision table on stdout;
     # --verbosity=0 shows JAX's and orbax's INFO log, --v=1 each decision.

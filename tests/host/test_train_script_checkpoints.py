@@ -47,11 +47,20 @@ def _start_and_catch_a_save(tmp_path, *args):
   directory, its stdout/stderr paths) as soon as a save is in flight after
   two finished ones."""
   out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-  with open(out, "w") as stdout, open(err, "w") as stderr:
-    process = subprocess.Popen(
-        [sys.executable, TRAIN, *COMMON, f"base_output_directory={tmp_path}",
-         "run_name=long", "checkpoint_period=1", "steps=1000", *args],
-        cwd=REPO_ROOT, env=_env(), stdout=stdout, stderr=stderr)
+  # Ctrl-C as in a terminal, even when this suite runs in the background of
+  # a non-interactive shell: that ignores SIGINT, a child inherits the
+  # ignore and its Python keeps it. A handler instead is reset to the
+  # default in the child.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+      process = subprocess.Popen(
+          [sys.executable, TRAIN, *COMMON,
+           f"base_output_directory={tmp_path}", "run_name=long",
+           "checkpoint_period=1", "steps=1000", *args],
+          cwd=REPO_ROOT, env=_env(), stdout=stdout, stderr=stderr)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   directory = os.path.join(tmp_path, "long", "checkpoints")
   deadline = time.monotonic() + 240
   while len(_steps(directory)) < 2 or not _unfinished_saves(directory):
@@ -102,10 +111,24 @@ def test_killed_during_a_save_then_resumes(tmp_path):
   assert directory in lines[0]
 
 
+def _wait_or_dump_stacks(process, err, timeout):
+  """The exit code, or (a hang) a failure showing every thread's stack, which
+  train.py prints on SIGUSR1."""
+  try:
+    return process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(5)
+    process.kill()
+    process.wait()
+    raise AssertionError(f"still running after {timeout} s; its threads:\n"
+                         f"{err.read_text()[-20000:]}") from None
+
+
 def test_ctrl_c_finishes_the_save_in_flight_with_one_line(tmp_path):
   process, directory, out, err = _start_and_catch_a_save(tmp_path)
   process.send_signal(signal.SIGINT)
-  assert process.wait(timeout=120) == 130, err.read_text()
+  assert _wait_or_dump_stacks(process, err, 120) == 130, err.read_text()
   stderr = err.read_text()
   assert "Traceback" not in stderr, stderr
   stopped = re.findall(r"^interrupted \(Ctrl-C\) after step (\d+): newest "
