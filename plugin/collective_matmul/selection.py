@@ -255,8 +255,8 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
   rows. There, `SENDER_SMS` blocks that only send (about 30 GB/s each) and
   the largest CTA tile (>= 128 rows) whose ring step fills the other SMs
   once let each SM run its local tile while its remote rows arrive:
-  512/4096/4096 bf16 on 2 x H200 went from 82.9 to 59.8 us (the upstream
-  example 95.2, NCCL + cuBLAS 79.3; benchmarks/kernel_lead/). Measured at
+  512/4096/4096 bf16 on 2 x H200 went from 79-83 to 60-63 us (the upstream
+  example 95, NCCL + cuBLAS 79; benchmarks/kernel_lead/). Measured at
   D = 2 only; at the seed shape (two waves) it lost (120 against 104 us),
   so it stays off there.
   """

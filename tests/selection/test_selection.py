@@ -226,6 +226,18 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
                 chosen.epi_tile_n, chosen.max_concurrent_steps)}
 
 
+@pytest.mark.parametrize("shape", [(512, 4096, 4096), (1024, 4096, 4096)])
+def test_all_gather_candidates_cover_the_chosen_tiles_with_and_without_senders(
+    shape):
+  from collective_matmul import autotuning
+  candidates = list(autotuning.candidate_configs("all_gather"))
+  assert len(set(candidates)) == len(candidates)
+  assert {c.sender_sms for c in candidates} == {0, selection.SENDER_SMS}
+  chosen = selection.select_config(*shape, "bfloat16", 2)
+  tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.sender_sms)
+  assert tiles(chosen) in {tiles(c) for c in candidates}
+
+
 def test_autotune_candidates_reject_an_unknown_pattern():
   from collective_matmul import autotuning
   with pytest.raises(ValueError, match="pattern"):
