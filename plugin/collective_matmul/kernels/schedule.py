@@ -121,10 +121,11 @@ def sender_pipeline(slots: int):
   """(loads ahead, stores in flight, announce lag) of a sender block's copy
   loop over `slots` shared-memory buffers.
 
-  A remote TMA store holds its buffer until NVLink has read it, about a
-  microsecond, so one SM moves ~30 GB/s with one or two stores in flight
-  (measured on 2 x H200): most buffers go to stores in flight, the rest to
-  loads (from local HBM, faster) ahead. A row block is announced `lag`
+  A remote TMA store holds its buffer until NVLink has read it, so most
+  buffers go to stores in flight and the rest to loads (from local HBM,
+  faster) ahead. On 2 x H200 one sending SM moved ~30 GB/s with 1-2 stores
+  in flight and still ~30 GB/s with 8 (benchmarks/kernel_lead/, runs 1-2):
+  the limit is per SM, not this depth. A row block is announced `lag`
   chunks after its last store was issued, waiting only for stores that old
   to land, so announcing does not drain the stores in flight.
   """
