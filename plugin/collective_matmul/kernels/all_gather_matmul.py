@@ -12,7 +12,10 @@ arrival. Compared with the seed's design:
   a tile waits only for its own row block;
 * a row block is forwarded by all its n-tiles, each sending a slice of k
   first in its pipeline (`spread_sends`), and each sender signals as soon as
-  its slice has landed, so the next step's data arrives early.
+  its slice has landed, so the next step's data arrives early;
+* or (`AllGatherConfig.sender_sms`) a few blocks only forward, with a copy
+  loop of their own, while the others only multiply: where a ring step's
+  tiles leave SMs idle anyway (`selection` picks it for such shapes).
 
 Only plain peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 """
@@ -36,7 +39,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                  rows_per_batch, diagnostic_loopback):
   """The shared skeleton (`common.ring_tile_loop`) with the all-gather's
   hooks: a tile past step 0 waits for its row block, and its pipeline
-  forwards the block's k slices to the next device as it loads them."""
+  forwards the block's k slices to the next device as it loads them; with
+  `config.sender_sms`, the last blocks forward instead (`_forward_loop`)
+  and the others only multiply."""
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = common.tile_grid(config, axis_size, m_shard, k, n)
