@@ -145,15 +145,19 @@ def test_pallas_ops_trace_forward_and_backward(save_gathered):
     (dict(lhs=jnp.float32), "dtype float32 is not supported"),
     (dict(out_dtype=jnp.float16), "out_dtype float16 must be"),
     (dict(rows_per_batch=96), "rows_per_batch=96 must divide"),
+    # Every block a sender: nothing would compute the output.
+    (dict(config=kernels.AllGatherConfig(sender_sms=132)),
+     "sender_sms=132 leaves no block"),
 ])
 def test_kernel_rejects_bad_input_naming_it(bad, match):
   mesh = _mesh(2)
   dtype = bad.get("lhs", jnp.bfloat16)
   kwargs = {key: v for key, v in bad.items() if key != "lhs"}
+  kwargs.setdefault("config", kernels.AllGatherConfig())
   with jax.set_mesh(mesh):
     f = jax.shard_map(
         functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
-                          config=kernels.AllGatherConfig(), **kwargs),
+                          **kwargs),
         out_specs=P(None, "x"), check_vma=False)
     with pytest.raises(ValueError, match=match):
       jax.eval_shape(f, _spec(mesh, (1024, 256), P("x", None), dtype),

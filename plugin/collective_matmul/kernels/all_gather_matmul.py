@@ -295,6 +295,10 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   n = rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
   common.check_config(config, AllGatherConfig)
+  if config.sender_sms >= common.num_sms():
+    raise ValueError(
+        f"sender_sms={config.sender_sms} leaves no block to multiply on "
+        f"{common.num_sms()} SMs")
   pad, rows_per_batch = common.tile_plan(config, m, k, n, lhs.dtype,
                                          out_dtype, rows_per_batch)
   if pad.any:
