@@ -66,6 +66,10 @@ class CollectiveMatmulConfig:
       raise TypeError(f"exclude={self.exclude!r} must be a sequence of "
                       "names or patterns, not one string")
     object.__setattr__(self, "exclude", tuple(self.exclude))
+    for entry in self.exclude:
+      if not isinstance(entry, str) or not entry:
+        raise TypeError(f"exclude entry {entry!r} must be a non-empty name "
+                        "or pattern")
     # Strings (flag values, code) become members here, validated once.
     object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
     object.__setattr__(self, "fallback_impl", Impl.parse(

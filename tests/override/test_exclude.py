@@ -82,3 +82,6 @@ def test_the_exclude_flag_sets_the_config():
   assert cm.CollectiveMatmulConfig().exclude == ()
   with pytest.raises(TypeError, match="not one string"):
     cm.CollectiveMatmulConfig(exclude="*logits*")
+  for bad in (None, ""):
+    with pytest.raises(TypeError, match="must be a non-empty name"):
+      cm.CollectiveMatmulConfig(exclude=("*logits*", bad))
