@@ -17,6 +17,7 @@ export PYTHONPATH=/tmp/site:$PWD/plugin:$PWD/host
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/gpu_info.txt" 2>&1
+# PROFILE_STEPS=N: profile N steps per arm (the breakdown in report.md).
 # Extra arms, one per line in $EXTRA_ARMS_SPEC: NAME=ARGS (scripts/maxtext_ab.py).
 EXTRA_ARMS=()
 while IFS= read -r arm; do
@@ -25,6 +26,7 @@ done <<< "${EXTRA_ARMS_SPEC:-}"
 work=/tmp/maxtext_ab
 timeout "${AB_TIMEOUT:-560}" python3 scripts/maxtext_ab.py --out "$work" \
   --arms "${ARMS:-off,auto,windowed}" --timeout "${ARM_TIMEOUT:-170}" "${EXTRA_ARMS[@]}" \
+  --profile_steps "${PROFILE_STEPS:-0}" \
   --title "llama2-7b dims, 2 layers, seq 4096, tensor_sequence=$ngpu, ${ngpu} x H200" \
   -- /tmp/site/maxtext/configs/base.yml hardware=gpu \
   skip_jax_distributed_system=True dataset_type=synthetic \

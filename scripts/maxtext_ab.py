@@ -30,6 +30,10 @@ ARMS = {
     "off": ((), ""),
     "auto": (("--use_collective_matmul", "--collective_matmul_impl=auto"), ""),
     "ring": (("--use_collective_matmul", "--collective_matmul_impl=ring"), ""),
+    # MaxText's GPU flash attention per shard of heads (plugin off / auto).
+    "attn": (("--maxtext_shard_gpu_attention",), ""),
+    "auto_attn": (("--use_collective_matmul", "--collective_matmul_impl=auto",
+                   "--maxtext_shard_gpu_attention"), ""),
     "windowed": ((), "--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                      "--xla_gpu_multi_streamed_windowed_einsum=true"),
 }

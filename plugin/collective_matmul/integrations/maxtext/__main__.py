@@ -3,12 +3,13 @@
     python -m collective_matmul.integrations.maxtext \\
         <maxtext>/configs/base.yml key=value ... \\
         [--use_collective_matmul] [--collective_matmul_impl=auto|pallas|ring|baseline] \\
-        [--collective_matmul_strict]
+        [--collective_matmul_strict] [--maxtext_shard_gpu_attention]
 
 MaxText's own command line is passed through unchanged; the plugin's absl
 flags may appear anywhere in it. After each compile that traced projections,
 the decision record (what was rewritten, with which implementation, or why
-not) is printed once.
+not) is printed once, and so is what `--maxtext_shard_gpu_attention` did
+with each flash attention call (`attention`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jax
 import collective_matmul as cm
 from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import attention
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -29,12 +31,16 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 def print_decisions_after_compiles() -> None:
   """Prints the decisions recorded since the last compile, once per distinct
   record, when a compile ends (JAX's compile-duration event)."""
-  printed = {"count": 0, "tables": set()}
+  printed = {"count": 0, "tables": set(), "notes": set()}
 
   def on_event(event: str, duration_secs: float, **kwargs) -> None:
     del duration_secs, kwargs
     if event != _BACKEND_COMPILE_EVENT:
       return
+    for note in attention.notes():
+      if note not in printed["notes"]:
+        printed["notes"].add(note)
+        print(f"collective matmul (MaxText): {note}", flush=True)
     records = cm.decisions()
     new = records[printed["count"]:]
     printed["count"] = len(records)
@@ -52,7 +58,9 @@ def main(argv: Sequence[str]) -> None:
   version = adapter.install()
   config = cm.get_config()  # The parsed flags' configuration.
   print(f"collective matmul: MaxText {version} patched; plugin "
-        f"{'on, impl=' + config.impl if config.enabled else 'off'}"
+        f"{'on, impl=' + config.impl if config.enabled else 'off'}; "
+        f"sharded GPU flash attention "
+        f"{'on' if attention.enabled() else 'off'}"
         f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   print_decisions_after_compiles()
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top

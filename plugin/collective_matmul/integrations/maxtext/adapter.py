@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from collective_matmul import config as config_lib
 from collective_matmul import grouping
 from collective_matmul import override
+from collective_matmul.integrations.maxtext import attention
 from collective_matmul.integrations.maxtext import projections
 
 # Versions whose private names this adapter was written against and tested
@@ -57,6 +58,12 @@ _EXPECTED_PARAMETERS = (
     ("nnx_decoders", "NNXDecoder.apply_output_head", "exactly", (
         "self", "shared_embedding", "y", "deterministic", "model_mode",
         "normalize_y")),
+    # `attention` (--maxtext_shard_gpu_attention).
+    ("attention_op", "AttentionOp.apply_attention", "at least", (
+        "self", "query", "key", "value", "decoder_segment_ids",
+        "model_mode")),
+    ("attention_op", "tokamax_pallas_triton.PallasTritonFlashAttention",
+     "at least", ()),
 )
 _TRAIN = "train"  # maxtext.common.common_types.MODEL_MODE_TRAIN
 # The DenseGeneral attributes of an owner that project the same activation,
@@ -107,11 +114,12 @@ def _entered(frame: _Frame) -> Iterator[None]:
 
 
 def _maxtext_modules():
+  from maxtext.layers import attention_op  # pylint: disable=g-import-not-at-top
   from maxtext.layers import attentions  # pylint: disable=g-import-not-at-top
   from maxtext.layers import linears  # pylint: disable=g-import-not-at-top
   from maxtext.layers import moe  # pylint: disable=g-import-not-at-top
   from maxtext.layers import nnx_decoders  # pylint: disable=g-import-not-at-top
-  return linears, attentions, moe, nnx_decoders
+  return linears, attentions, moe, nnx_decoders, attention_op
 
 
 def check_maxtext() -> str:
@@ -132,8 +140,8 @@ def check_maxtext() -> str:
         f"MaxText {version} is not supported by collective_matmul's MaxText "
         f"adapter (supported: {', '.join(SUPPORTED_MAXTEXT_VERSIONS)}): it "
         "patches private MaxText functions whose signatures it must know")
-  modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders"),
-                     _maxtext_modules()))
+  modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders",
+                      "attention_op"), _maxtext_modules()))
   for module_name, path, how, expected in _EXPECTED_PARAMETERS:
     target = modules[module_name]
     for attr in path.split("."):
@@ -142,6 +150,8 @@ def check_maxtext() -> str:
       raise MaxTextVersionError(f"MaxText {version} has no "
                                 f"{module_name}.{path}")
     target = inspect.unwrap(target)  # Ours, if installed already.
+    if not expected:  # Only its presence.
+      continue
     names = tuple(inspect.signature(target).parameters)
     fits = (names == expected if how == "exactly"
             else set(expected) <= set(names))
@@ -178,7 +188,8 @@ def install() -> str:
   version = check_maxtext()
   if is_installed():
     return version
-  linears, attentions, moe, nnx_decoders = _maxtext_modules()
+  linears, attentions, moe, nnx_decoders, _ = _maxtext_modules()
+  attention.install()
 
   def owner_call(kind, mode_of, details=lambda args, kwargs: {}):
     def make(original):
@@ -221,6 +232,7 @@ def install() -> str:
 
 def uninstall() -> None:
   """Restores MaxText's own functions."""
+  attention.uninstall()
   for (owner, attr), original in reversed(list(_originals.items())):
     setattr(owner, attr, original)
   _originals.clear()
