@@ -18,8 +18,11 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/gpu_info.txt" 2>&1
 # PROFILE_STEPS=N: profile N steps per arm (the breakdown in report.md).
+# MODEL: MaxText's model_name (default llama2-7b). COMPARE: ARM=BASELINE
+# pairs, comma-separated (scripts/maxtext_ab.py --compare).
 # Extra arms, one per line in $EXTRA_ARMS_SPEC: NAME=ARGS (scripts/maxtext_ab.py).
 EXTRA_ARMS=()
+for pair in ${COMPARE:+${COMPARE//,/ }}; do EXTRA_ARMS+=(--compare "$pair"); done
 while IFS= read -r arm; do
   [ -n "$arm" ] && EXTRA_ARMS+=(--arm "$arm")
 done <<< "${EXTRA_ARMS_SPEC:-}"
@@ -27,10 +30,10 @@ work=/tmp/maxtext_ab
 timeout "${AB_TIMEOUT:-560}" python3 scripts/maxtext_ab.py --out "$work" \
   --arms "${ARMS:-off,auto,windowed}" --timeout "${ARM_TIMEOUT:-170}" "${EXTRA_ARMS[@]}" \
   --profile_steps "${PROFILE_STEPS:-0}" \
-  --title "llama2-7b dims, 2 layers, seq 4096, tensor_sequence=$ngpu, ${ngpu} x H200" \
+  --title "${MODEL:-llama2-7b} dims, 2 layers, seq 4096, tensor_sequence=$ngpu, ${ngpu} x H200" \
   -- /tmp/site/maxtext/configs/base.yml hardware=gpu \
   skip_jax_distributed_system=True dataset_type=synthetic \
-  model_name=llama2-7b override_model_config=True base_num_decoder_layers=2 \
+  model_name="${MODEL:-llama2-7b}" override_model_config=True base_num_decoder_layers=2 \
   max_target_length=4096 per_device_batch_size=2 \
   ici_tensor_sequence_parallelism="$ngpu" ici_data_parallelism=1 \
   ici_fsdp_parallelism=1 steps="${STEPS:-15}" enable_checkpointing=False \

@@ -137,25 +137,38 @@ def _breakdown(run_dir: str, steps: int) -> dict:
     return {"error": str(e)}
 
 
-def profile_comparisons(arms: list[dict]) -> dict[str, dict]:
-  """Each arm against `off`: what it hid and what its kernels cost."""
+def baseline_of(arm: str, baselines: dict[str, str]) -> str:
+  """The arm `arm` is compared with: its `--compare` baseline, else off."""
+  return baselines.get(arm, "off")
+
+
+def profile_comparisons(arms: list[dict],
+                        baselines: dict[str, str] | None = None
+                        ) -> dict[str, dict]:
+  """Each arm against its baseline (`--compare`, else `off`): what it hid
+  and what its kernels cost."""
   profile = _profile_lib()
-  base = next(a for a in arms if a["arm"] == "off").get("profile") or {}
+  by_name = {a["arm"]: a for a in arms}
   out = {}
   for arm in arms:
+    base_name = baseline_of(arm["arm"], baselines or {})
+    base = by_name[base_name].get("profile") or {}
     mine = arm.get("profile") or {}
-    if arm["arm"] == "off" or "error" in mine or "error" in base or (
+    if arm["arm"] == base_name or "error" in mine or "error" in base or (
         not mine or not base):
       continue
     fields = {f.name for f in dataclasses.fields(profile.Breakdown)}
     load = lambda d: profile.Breakdown(**{k: v for k, v in d.items()
                                           if k in fields})
-    out[arm["arm"]] = profile.compare(load(base), load(mine)).to_json()
+    out[arm["arm"]] = {"baseline": base_name,
+                       **profile.compare(load(base), load(mine)).to_json()}
   return out
 
 
-def compare(arms: list[dict], dtype: str) -> dict:
-  base = next(a for a in arms if a["arm"] == "off")
+def compare(arms: list[dict], dtype: str,
+            baselines: dict[str, str] | None = None) -> dict:
+  by_name = {a["arm"]: a for a in arms}
+  base = by_name["off"]
   rows = []
   ok = all(a["rc"] == 0 and a["losses"] for a in arms)
   for arm in arms:
@@ -167,8 +180,13 @@ def compare(arms: list[dict], dtype: str) -> dict:
              if arm["median_step_ms"] and base["median_step_ms"] else None)
     same = max_diff is not None and max_diff <= LOSS_RTOL.get(dtype, 2e-2)
     ok = ok and same
+    own = by_name[baseline_of(arm["arm"], baselines or {})]
+    own_ratio = (arm["median_step_ms"] / own["median_step_ms"]
+                 if arm["median_step_ms"] and own["median_step_ms"] else None)
     rows.append({"arm": arm["arm"], "median_step_ms": arm["median_step_ms"],
-                 "ratio_vs_off": ratio, "max_rel_loss_diff": max_diff,
+                 "ratio_vs_off": ratio, "baseline": own["arm"],
+                 "ratio_vs_baseline": own_ratio,
+                 "max_rel_loss_diff": max_diff,
                  "losses_match": same,
                  "final_loss": arm["losses"][-1] if arm["losses"] else None})
   return {"ok": ok, "rows": rows}
@@ -187,12 +205,14 @@ def markdown(result: dict) -> str:
            f"steps {WARMUP_STEPS}.. (steps 0..{WARMUP_STEPS - 1} compile)",
            f"- losses match: relative difference per step <= "
            f"{LOSS_RTOL.get(result['dtype'], 2e-2)} ({result['dtype']})", "",
-           "| arm | median step (ms) | vs off | max rel. loss diff | "
-           "final loss |", "|---|---|---|---|---|"]
+           "| arm | median step (ms) | vs off | baseline | vs baseline | "
+           "max rel. loss diff | final loss |",
+           "|---|---|---|---|---|---|---|"]
   for row in result["comparison"]["rows"]:
     lines.append(
         f"| {row['arm']} | {_fmt(row['median_step_ms'], '.2f')} | "
-        f"{_fmt(row['ratio_vs_off'], '.3f')} | "
+        f"{_fmt(row['ratio_vs_off'], '.3f')} | {row.get('baseline', 'off')} "
+        f"| {_fmt(row.get('ratio_vs_baseline'), '.3f')} | "
         f"{_fmt(row['max_rel_loss_diff'], '.2e')} | "
         f"{_fmt(row['final_loss'], '.5f')} |")
   profiled = [a for a in result["arms"] if a.get("profile")]
@@ -214,7 +234,8 @@ def markdown(result: dict) -> str:
           f"{c['compute']:.2f} | {c['nccl']:.2f} | "
           f"{p['nccl_exposed_ms']:.2f} |")
     for name, comparison in result.get("profile_comparisons", {}).items():
-      lines += ["", f"- {name}: {comparison['sentence']}"]
+      lines += ["", f"- {name} against {comparison.get('baseline', 'off')}: "
+                f"{comparison['sentence']}"]
   for arm in result["arms"]:
     if arm["rc"] != 0:
       lines += ["", f"**{arm['arm']} failed** (rc {arm['rc']}): see "
@@ -269,6 +290,10 @@ def main() -> int:
                       "profiler=xplane, after the warm-up) and report where "
                       "each arm's GPU time goes; they are left out of the "
                       "median")
+  parser.add_argument("--compare", action="append", default=[],
+                      metavar="ARM=BASELINE",
+                      help="compare ARM with BASELINE instead of off (step "
+                      "ratio and profile), e.g. auto_attn=attn")
   parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
   args = parser.parse_args()
   maxtext_args = [a for a in args.maxtext_args if a != "--"]
@@ -279,6 +304,13 @@ def main() -> int:
     parser.error(str(e))
   if "off" not in names or len(set(names)) != len(names):
     parser.error(f"the arms need 'off' and distinct names, got {names}")
+  baselines = {}
+  for pair in args.compare:
+    arm, _, base = pair.partition("=")
+    if arm not in names or base not in names or arm == base:
+      parser.error(f"--compare {pair!r}: ARM=BASELINE, two different arms "
+                   f"of {names}")
+    baselines[arm] = base
   if args.profile_steps < 0:
     parser.error(f"--profile_steps={args.profile_steps} must be >= 0")
   if not maxtext_args or not maxtext_args[0].endswith(".yml"):
@@ -308,8 +340,9 @@ def main() -> int:
       "versions": f"python {platform.python_version()}, jax "
                   f"{jax.__version__}, maxtext "
                   f"{_version('maxtext')}, flax {_version('flax')}",
-      "arms": results, "comparison": compare(results, dtype),
-      "profile_comparisons": (profile_comparisons(results)
+      "arms": results, "baselines": baselines,
+      "comparison": compare(results, dtype, baselines),
+      "profile_comparisons": (profile_comparisons(results, baselines)
                               if args.profile_steps else {})}
   with open(os.path.join(args.out, "ab.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -236,13 +236,18 @@ def test_reads_xspace_profiles_as_maxtext_writes_them():
   assert b.projections == {"wi_0 forward": {"matmul": pytest.approx(5e-3)}}
 
 
-def test_maxtext_ab_compares_each_arm_with_off():
+def _maxtext_ab():
   import importlib.util  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   spec = importlib.util.spec_from_file_location(
       "maxtext_ab", os.path.join(repo, "scripts", "maxtext_ab.py"))
   maxtext_ab = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(maxtext_ab)
+  return maxtext_ab
+
+
+def test_maxtext_ab_compares_each_arm_with_off():
+  maxtext_ab = _maxtext_ab()
   arms = [{"arm": "off", "profile": _breakdown("baseline").to_json()},
           {"arm": "auto", "profile": _breakdown("collective").to_json()},
           {"arm": "windowed", "profile": {"error": "no trace"}}]
@@ -251,6 +256,28 @@ def test_maxtext_ab_compares_each_arm_with_off():
   expected = profile_lib.compare(_breakdown("baseline"),
                                  _breakdown("collective"))
   assert comparisons["auto"]["sentence"] == expected.sentence()
+  assert comparisons["auto"]["baseline"] == "off"
+
+
+def test_maxtext_ab_compares_an_arm_with_the_baseline_it_is_given():
+  maxtext_ab = _maxtext_ab()
+  arms = [{"arm": "off", "profile": _breakdown("collective").to_json(),
+           "losses": [2.0, 1.0], "median_step_ms": 100.0, "rc": 0},
+          {"arm": "attn", "profile": _breakdown("baseline").to_json(),
+           "losses": [2.0, 1.0], "median_step_ms": 80.0, "rc": 0},
+          {"arm": "auto_attn", "profile": _breakdown("collective").to_json(),
+           "losses": [2.0, 1.0], "median_step_ms": 76.0, "rc": 0}]
+  baselines = {"auto_attn": "attn"}
+  comparisons = maxtext_ab.profile_comparisons(arms, baselines)
+  assert comparisons["auto_attn"]["baseline"] == "attn"
+  assert comparisons["auto_attn"]["sentence"] == profile_lib.compare(
+      _breakdown("baseline"), _breakdown("collective")).sentence()
+  assert comparisons["attn"]["baseline"] == "off"
+  rows = {r["arm"]: r for r in
+          maxtext_ab.compare(arms, "bfloat16", baselines)["rows"]}
+  assert rows["auto_attn"]["ratio_vs_off"] == pytest.approx(0.76)
+  assert rows["auto_attn"]["ratio_vs_baseline"] == pytest.approx(0.95)
+  assert rows["attn"]["ratio_vs_baseline"] == pytest.approx(0.8)
 
 
 def test_baseline_rows_of_grouped_members_are_summed_into_the_group():

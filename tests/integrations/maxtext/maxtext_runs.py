@@ -69,18 +69,26 @@ class Run:
 
 def train(name: str, *, model="llama2-7b", mesh="ts4_data2", dtype="bf16",
           plugin: tuple[str, ...] | None = (), steps=3, run_name=None,
-          extra: tuple[str, ...] = ()) -> Run:
+          extra: tuple[str, ...] = (), xla_flash_attention=False) -> Run:
   """Trains `model` for `steps` steps with synthetic data.
 
   plugin: None runs stock MaxText (`maxtext.trainers.pre_train.train`);
     a tuple runs the plugin's launcher with these flags (empty: plugin off).
   run_name: reuse another run's output directory (to resume it).
+  xla_flash_attention: MaxText's GPU flash attention call
+    (`attention=flash`) with tokamax's XLA attention as its kernel
+    (`launch_with_xla_attention.py`; the plugin's launcher).
   """
   run_name = run_name or name
   metrics = os.path.join(WORK, f"{name}.metrics.jsonl")
-  module = ("maxtext.trainers.pre_train.train" if plugin is None
-            else "collective_matmul.integrations.maxtext")
-  argv = [sys.executable, "-m", module, maxtext_base_yml(),
+  if xla_flash_attention:
+    launch = [os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "launch_with_xla_attention.py")]
+    extra = (*extra, "attention=flash")
+  else:
+    launch = ["-m", "maxtext.trainers.pre_train.train" if plugin is None
+              else "collective_matmul.integrations.maxtext"]
+  argv = [sys.executable, *launch, maxtext_base_yml(),
           f"run_name={run_name}", f"base_output_directory={WORK}",
           "hardware=cpu", "skip_jax_distributed_system=True",
           "dataset_type=synthetic", f"model_name={model}",

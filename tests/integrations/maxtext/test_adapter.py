@@ -36,18 +36,25 @@ def test_a_changed_private_signature_is_refused(linears, monkeypatch):
 
 
 def test_install_is_idempotent_and_uninstall_restores(linears):
+  from maxtext.layers import attention_op  # pylint: disable=g-import-not-at-top
   from maxtext.layers import attentions  # pylint: disable=g-import-not-at-top
-  originals = (linears._compute_dot_general_nnx,
-               linears.DenseGeneral.__call__, linears.MlpBlock.__call__,
-               attentions.Attention.__call__)
+
+  def current():
+    return (linears._compute_dot_general_nnx,
+            linears.DenseGeneral.__call__, linears.MlpBlock.__call__,
+            attentions.Attention.__call__,
+            attention_op.AttentionOp.apply_attention)
+
+  originals = current()
+  triton = attention_op.tokamax_pallas_triton
   cm_maxtext.install()
   cm_maxtext.install()
-  patched = (linears._compute_dot_general_nnx,
-             linears.DenseGeneral.__call__, linears.MlpBlock.__call__,
-             attentions.Attention.__call__)
+  patched = current()
   assert all(p is not o for p, o in zip(patched, originals))
   assert all(inspect.unwrap(p) is o for p, o in zip(patched, originals))
+  assert attention_op.tokamax_pallas_triton is not triton
+  assert (attention_op.tokamax_pallas_triton.PallasTritonFlashAttention
+          is not triton.PallasTritonFlashAttention)
   cm_maxtext.uninstall()
-  assert (linears._compute_dot_general_nnx, linears.DenseGeneral.__call__,
-          linears.MlpBlock.__call__,
-          attentions.Attention.__call__) == originals
+  assert current() == originals
+  assert attention_op.tokamax_pallas_triton is triton

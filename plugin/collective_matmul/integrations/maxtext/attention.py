@@ -120,7 +120,8 @@ def _plan(attention_op, query, key):
 
 class _ShardedOp:
   """Stands in for a tokamax attention op: calls it with the q/k shardings
-  planned for the AttentionOp being applied (`apply_attention` below)."""
+  planned for the AttentionOp being applied (`apply_attention` below) when
+  switched on; off, calls it as MaxText did and notes what it would do."""
 
   def __init__(self, op):
     self._op = op
@@ -130,12 +131,18 @@ class _ShardedOp:
     if plan is None or "q_sharding" in kwargs or "k_sharding" in kwargs:
       return self._op(q, k, v, **kwargs)
     q_sharding, k_sharding, why = plan
-    if q_sharding is None:
-      _note(f"GPU flash attention {tuple(q.shape)}: MaxText's call kept "
-            f"({why})")
+    what = f"GPU flash attention {tuple(q.shape)}"
+    if not enabled():
+      if q_sharding is not None:
+        _note(f"{what}: every device computes every head (MaxText calls "
+              "the kernel with no sharding, so XLA gathers q/k/v); "
+              "--maxtext_shard_gpu_attention runs it per shard, q "
+              f"{q_sharding.spec}")
       return self._op(q, k, v, **kwargs)
-    _note(f"GPU flash attention {tuple(q.shape)}: sharded, q "
-          f"{q_sharding.spec}, k/v {k_sharding.spec}")
+    if q_sharding is None:
+      _note(f"{what}: MaxText's call kept ({why})")
+      return self._op(q, k, v, **kwargs)
+    _note(f"{what}: sharded, q {q_sharding.spec}, k/v {k_sharding.spec}")
     return self._op(q, k, v, q_sharding=q_sharding, k_sharding=k_sharding,
                     **kwargs)
 
@@ -175,10 +182,10 @@ def install(op_class: Callable[..., Any] | None = None) -> None:
                       **kwargs):
     previous = getattr(_local, "plan", None)
     plan = None
-    if enabled() and getattr(self, "attention_kernel", None) in _FLASH and (
+    if getattr(self, "attention_kernel", None) in _FLASH and (
         kwargs.get("model_mode") != _AUTOREGRESSIVE):
       plan = _plan(self, query, key)
-    if plan is not None and plan[0] is not None and (
+    if (plan is not None and plan[0] is not None and enabled() and
         decoder_segment_ids is not None):
       # MaxText builds the [batch, seq, seq] segment mask from these ids
       # outside the kernel; whole ids on every device of a batch shard make
