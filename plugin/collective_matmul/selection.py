@@ -246,26 +246,48 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
 SENDER_SMS = 4
 
 
+# Where the dedicated senders beat the paced sends at several waves per ring
+# step (D = 2, 2 x H200, benchmarks/kernel_lead/README.md, run 7): local n
+# from 4096 to 8192 columns with m >= 4096 rows per shard.
+SENDER_BALANCED_N = (4096, 8192)
+SENDER_BALANCED_MIN_M = 4096
+
+
 def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
                    out_dtype) -> AllGatherConfig | None:
   """The dedicated-sender schedule where it was measured to win, else None.
 
-  When every ring step's tiles of `base` fit in one wave, the remote tiles
-  sit idle until sends paced through the local tiles' k loops deliver their
-  rows. There, `SENDER_SMS` blocks that only send (about 30 GB/s each) and
-  the largest CTA tile (>= 128 rows) whose ring step fills the other SMs
-  once let each SM run its local tile while its remote rows arrive:
-  512/4096/4096 bf16 on 2 x H200 went from 79-83 to 60-63 us (the upstream
-  example 95, NCCL + cuBLAS 79; benchmarks/kernel_lead/). Measured at
-  D = 2 only; at the seed shape (two waves) it lost (120 against 104 us),
-  so it stays off there.
+  One wave per step: when every ring step's tiles of `base` fit in one wave,
+  the remote tiles sit idle until sends paced through the local tiles' k
+  loops deliver their rows. There, `SENDER_SMS` blocks that only send
+  (about 40 GB/s each) and the largest CTA tile (>= 128 rows) whose ring
+  step fills the other SMs once let each SM run its local tile while its
+  remote rows arrive: 512/4096/4096 bf16 on 2 x H200 went from 79-83 to
+  60-63 us (the upstream example 95, NCCL + cuBLAS 79;
+  benchmarks/kernel_lead/).
+
+  Balanced, several waves per step: a ring step's GEMM (2 m k n flops)
+  against the senders' transfer of the shard (m k elements) is a ratio of
+  n alone. Where the two take about as long, the senders deliver each row
+  block in time and the other SMs compute without sends in their k loops:
+  with `base`'s tiles, 1-3 % faster at n = 4096-8192, m = 4096 and 8192
+  (`SENDER_BALANCED_N`, `SENDER_BALANCED_MIN_M`). Below, the transfer
+  outlasts the step (n = 2048: +50 %, n = 3072: +10 %); above, the senders'
+  SMs are missed (n = 11008, 14336: +1 %); at the seed shape (m = 1024, two
+  waves) they lost 120 against 104 us. Measured at D = 2 and with the
+  128 x 256 CTA tile (`wg_dimension="n"`) only.
   """
-  if not _steps_in_one_wave(base, m, n, axis_size, num_sms):
-    return None
-  tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
-                           num_sms - SENDER_SMS)
-  return tiles and fit_shared_memory(
-      dataclasses.replace(tiles, sender_sms=SENDER_SMS), dtype, out_dtype)
+  if _steps_in_one_wave(base, m, n, axis_size, num_sms):
+    tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
+                             num_sms - SENDER_SMS)
+    return tiles and fit_shared_memory(
+        dataclasses.replace(tiles, sender_sms=SENDER_SMS), dtype, out_dtype)
+  low, high = SENDER_BALANCED_N
+  if (axis_size == 2 and base.wg_dimension == "n" and low <= n <= high and
+      m >= SENDER_BALANCED_MIN_M):
+    return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),
+                             dtype, out_dtype)
+  return None
 
 
 def _steps_in_one_wave(config: TileConfig, m, n, axis_size, num_sms) -> bool:

@@ -301,6 +301,21 @@ def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
     # The heuristic's tiles already give as many tiles per step as 128-row
     # tiles could: no senders (and too small for impl="auto", below).
     (256, 4096, 4096, 2, 0, (128, 128)),
+    # Several waves per step, where a step's GEMM takes about as long as the
+    # senders' transfer (n = 4096-8192, m >= 4096; measured 1-3 % faster):
+    (8192, 4096, 4096, 2, 4, (128, 256)),
+    (8192, 4096, 8192, 2, 4, (128, 256)),
+    (4096, 4096, 6144, 2, 4, (128, 256)),
+    # ... not below (the transfer outlasts the step: +50 % at n = 2048) or
+    # above (the senders' SMs are missed: +1 % at n = 11008) ...
+    (8192, 4096, 2048, 2, 0, (128, 256)),
+    (8192, 4096, 3072, 2, 0, (128, 256)),
+    (8192, 4096, 11008, 2, 0, (128, 256)),
+    # ... nor with fewer rows (unmeasured between; m = 1024 lost), the
+    # 256 x 128 CTA tile (unmeasured) or at D = 4 (unmeasured).
+    (2048, 4096, 6144, 2, 0, (128, 256)),
+    (8192, 4096, 5504, 2, 0, (256, 128)),
+    (8192, 4096, 6144, 4, 0, (128, 256)),
 ])
 def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   config = selection.select_config(m, k, n, "bfloat16", d)
