@@ -95,3 +95,35 @@ def test_the_launcher_says_what_it_did_with_each_flash_attention_call():
   assert SHARDED_NOTE not in off.stdout
   assert ("every device computes every head (MaxText calls the kernel with "
           "no sharding" in off.stdout), off.stdout[-3000:]
+
+
+def test_shardings_that_cannot_be_read_keep_maxtexts_call(monkeypatch):
+  from maxtext.layers import attention_op  # pylint: disable=g-import-not-at-top
+  plans = []
+
+  def maxtext_apply_attention(self, query, key, value, decoder_segment_ids,
+                              **kwargs):
+    del self, query, key, value, decoder_segment_ids, kwargs
+    plans.append(attention._local.plan)  # pylint: disable=protected-access
+    return "maxtext's result"
+
+  class BrokenRules:
+    attention_kernel = "flash"
+
+    def _logical_to_mesh_axes(self, names):
+      raise KeyError(names)
+
+  attention.uninstall()
+  monkeypatch.setattr(attention_op.AttentionOp, "apply_attention",
+                      maxtext_apply_attention)
+  attention.install()  # Wraps the stand-in above.
+  attention.set_enabled(True)
+  try:
+    q = jnp.zeros((2, 8, 4, 16))
+    result = attention_op.AttentionOp.apply_attention(
+        BrokenRules(), q, q, q, None, model_mode="train")
+  finally:
+    attention.set_enabled(None)
+    attention.uninstall()
+  assert result == "maxtext's result"
+  assert plans[0][0] is None and "could not be read" in plans[0][2], plans

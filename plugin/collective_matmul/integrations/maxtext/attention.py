@@ -184,7 +184,11 @@ def install(op_class: Callable[..., Any] | None = None) -> None:
     plan = None
     if getattr(self, "attention_kernel", None) in _FLASH and (
         kwargs.get("model_mode") != _AUTOREGRESSIVE):
-      plan = _plan(self, query, key)
+      try:
+        plan = _plan(self, query, key)
+      except Exception as e:  # pylint: disable=broad-except
+        # Reading MaxText's shardings must never break MaxText's own call.
+        plan = (None, None, f"its shardings could not be read: {e!r}")
     if (plan is not None and plan[0] is not None and enabled() and
         decoder_segment_ids is not None):
       # MaxText builds the [batch, seq, seq] segment mask from these ids
