@@ -354,6 +354,13 @@ class Comparison:
   def sentence(self) -> str:
     pct = ("" if self.hidden_fraction is None
            else f" ({100 * self.hidden_fraction:.0f} %)")
+    if self.collective_kernel_ms <= 0:  # An arm with no kernel of ours.
+      return (
+          f"baseline exposes {self.baseline_exposed_ms:.2f} ms of NCCL per "
+          f"step; this arm runs no collective matmul kernel and exposes "
+          f"{self.collective_exposed_ms:.2f} ms ({self.hidden_ms:+.2f} ms "
+          f"less{pct}); GPU busy {self.baseline_busy_ms:.2f} -> "
+          f"{self.collective_busy_ms:.2f} ms per step.")
     return (
         f"baseline exposes {self.baseline_exposed_ms:.2f} ms of NCCL per "
         f"step; the collective arm hides {self.hidden_ms:.2f} ms{pct} "

@@ -273,6 +273,10 @@ def test_maxtext_ab_compares_an_arm_with_the_baseline_it_is_given():
   assert comparisons["auto_attn"]["sentence"] == profile_lib.compare(
       _breakdown("baseline"), _breakdown("collective")).sentence()
   assert comparisons["attn"]["baseline"] == "off"
+  # An arm without our kernels is not described as rewriting anything.
+  assert "runs no collective matmul kernel" in comparisons["attn"]["sentence"]
+  assert "rewritten" not in comparisons["attn"]["sentence"]
+  assert "rewritten GEMMs" in comparisons["auto_attn"]["sentence"]
   rows = {r["arm"]: r for r in
           maxtext_ab.compare(arms, "bfloat16", baselines)["rows"]}
   assert rows["auto_attn"]["ratio_vs_off"] == pytest.approx(0.76)
