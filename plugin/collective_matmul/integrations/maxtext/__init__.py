@@ -13,6 +13,10 @@ wi_0 / wi_1 / fused wi (all-gather) and wo (matmul + reduce-scatter);
 Attention's query, key, value, fused qkv (all-gather) and out (matmul +
 reduce-scatter). Quantized, fp8, MoE, unknown and non-training projections
 take MaxText's own path, recorded in `collective_matmul.decisions()`.
+
+Separately, `--maxtext_shard_gpu_attention` (off by default; `attention.py`)
+runs MaxText's GPU flash attention per shard of batch and heads, where
+MaxText 0.2.5 has every device compute every head.
 """
 from collective_matmul.integrations.maxtext.adapter import MaxTextVersionError
 from collective_matmul.integrations.maxtext.adapter import SUPPORTED_MAXTEXT_VERSIONS
