@@ -29,6 +29,8 @@ from typing import Any, Callable
 from absl import flags
 import jax
 
+from collective_matmul import patterns
+
 _SHARD = flags.DEFINE_bool(
     "maxtext_shard_gpu_attention", False,
     "MaxText only: run the GPU flash attention (tokamax's Triton kernel) per "
@@ -69,11 +71,10 @@ def _note(text: str) -> None:
   _notes.append(text)
 
 
-def _axis_size(mesh, axes) -> int:
-  if axes is None:
-    return 1
-  axes = (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(mesh.shape[a] for a in axes)
+def _entry(axes: tuple[str, ...]):
+  """A `patterns.normalize_spec` entry back as a PartitionSpec entry (and as
+  the reasons name it): None, one axis name, or a tuple of them."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def shardings(mesh, q_spec, k_spec, q_shape, k_shape):
@@ -85,26 +86,34 @@ def shardings(mesh, q_spec, k_spec, q_shape, k_shape):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if len(q_shape) != 4 or len(k_shape) != 4:
     return None, None, f"q of rank {len(q_shape)}, k of rank {len(k_shape)}"
-  q_axes = tuple(q_spec) + (None,) * (4 - len(q_spec))
-  k_axes = tuple(k_spec) + (None,) * (4 - len(k_spec))
+  try:
+    q_axes = patterns.normalize_spec(q_spec, 4)
+    k_axes = patterns.normalize_spec(k_spec, 4)
+  except ValueError as e:
+    return None, None, str(e)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   for name, axes in (("q", q_axes), ("k", k_axes)):
-    if _axis_size(mesh, axes[1]) > 1:
-      return None, None, (f"{name}'s sequence is sharded over {axes[1]} "
-                          "(context parallelism)")
-    if _axis_size(mesh, axes[3]) > 1:
-      return None, None, f"{name}'s head_dim is sharded over {axes[3]}"
+    if size(axes[1]) > 1:
+      return None, None, (f"{name}'s sequence is sharded over "
+                          f"{_entry(axes[1])} (context parallelism)")
+    if size(axes[3]) > 1:
+      return None, None, (f"{name}'s head_dim is sharded over "
+                          f"{_entry(axes[3])}")
   if q_axes[0] != k_axes[0]:
-    return None, None, f"q and k batch shardings differ ({q_axes[0]} vs {k_axes[0]})"
+    return None, None, (f"q and k batch shardings differ "
+                        f"({_entry(q_axes[0])} vs {_entry(k_axes[0])})")
   for name, shape, axes in (("q", q_shape, q_axes), ("k", k_shape, k_axes)):
     for dim, label in ((0, "batch"), (2, "heads")):
-      size = _axis_size(mesh, axes[dim])
-      if shape[dim] % size:
+      if shape[dim] % size(axes[dim]):
         return None, None, (f"{name}'s {shape[dim]} {label} do not divide "
-                            f"over {axes[dim]} ({size} devices)")
-  if _axis_size(mesh, q_axes[0]) * _axis_size(mesh, q_axes[2]) == 1:
+                            f"over {_entry(axes[dim])} ({size(axes[dim])} "
+                            "devices)")
+  if size(q_axes[0]) * size(q_axes[2]) == 1:
     return None, None, "neither batch nor heads is sharded: nothing to split"
-  q_sharding = NamedSharding(mesh, P(q_axes[0], None, q_axes[2], None))
-  k_sharding = NamedSharding(mesh, P(k_axes[0], None, k_axes[2], None))
+  q_sharding = NamedSharding(
+      mesh, P(_entry(q_axes[0]), None, _entry(q_axes[2]), None))
+  k_sharding = NamedSharding(
+      mesh, P(_entry(k_axes[0]), None, _entry(k_axes[2]), None))
   return q_sharding, k_sharding, ""
 
 
