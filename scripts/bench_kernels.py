@@ -2,6 +2,8 @@
 
 For each shape (per shard m/k/n) and dtype, one process owning all GPUs:
   bound     D x the local cuBLAS GEMM (XLA dot on one device), CUPTI
+  bound_all the same, with every device running its local GEMM at once (no
+            communication): the bound under all-GPUs-busy power and clocks
   nccl      all-gather (NCCL) then cuBLAS, in shard_map, CUPTI
   seed      the upstream example kernel (jax.experimental.pallas.ops.gpu.
             collective_matmul_mgpu), best of a small config sweep, CUPTI
@@ -166,7 +168,8 @@ def bench_shape(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  _, t_local, _ = kernel_time_us(jax.jit(jnp.dot), la, lb)
+  _, t_local, _ = kernel_time_us(jax.jit(jnp.dot), la, lb,
+                                 iterations=args.iterations)
   row["bound_us"] = d * t_local
   with jax.set_mesh(mesh):
     a = jax.random.normal(jax.random.key(1), (d * m, k), dtype)
@@ -186,8 +189,15 @@ def bench_shape(m, k, n, dtype_name, args):
       return jax.jit(jax.shard_map(fn, out_specs=P(None, "x"),
                                    check_vma=False))
 
+    # The same local GEMM on every device at once, no communication: the
+    # bound under the power and clocks of a run that keeps all GPUs busy.
+    local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
+                                  check_vma=False))
+    _, t_all, _ = kernel_time_us(local, a, b, iterations=args.iterations)
+    row["bound_all_us"] = d * t_all
     nccl = shmap(lambda x, y: lax.all_gather(x, "x", axis=0, tiled=True) @ y)
-    out, row["nccl_us"], _ = kernel_time_us(nccl, a, b)
+    out, row["nccl_us"], _ = kernel_time_us(nccl, a, b,
+                                          iterations=args.iterations)
     check("nccl", out)
 
     if d > 1 and not args.skip_seed:
@@ -198,7 +208,7 @@ def bench_shape(m, k, n, dtype_name, args):
           f = shmap(functools.partial(seed.all_gather_lhs_matmul, axis_name="x",
                                       config=cfg, dtype=dtype))
           poison_allocator(d * m * n * 2)
-          out, t, names = kernel_time_us(f, a, b)
+          out, t, names = kernel_time_us(f, a, b, iterations=args.iterations)
         except Exception as e:  # Configs that do not fit are skipped.
           print(f"seed config {cfg} failed: {str(e)[:200]}", flush=True)
           continue
@@ -221,7 +231,7 @@ def bench_shape(m, k, n, dtype_name, args):
                                     impl="pallas", kernel_config=chosen))
       try:
         poison_allocator(d * m * n * 2)
-        out, t, names = kernel_time_us(f, a, b)
+        out, t, names = kernel_time_us(f, a, b, iterations=args.iterations)
       except Exception as e:
         print(f"ours {chosen} failed: {type(e).__name__}: {str(e)[:2000]}",
               flush=True)
@@ -266,7 +276,8 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  _, row["bound_us"], _ = kernel_time_us(jax.jit(jnp.dot), la, lb)
+  _, row["bound_us"], _ = kernel_time_us(jax.jit(jnp.dot), la, lb,
+                                 iterations=args.iterations)
   mesh = jax.make_mesh((d,), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with jax.set_mesh(mesh):
@@ -280,9 +291,14 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
       return jax.jit(jax.shard_map(fn, out_specs=P("x", None),
                                    check_vma=False))
 
+    local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
+                                  check_vma=False))
+    _, row["bound_all_us"], _ = kernel_time_us(local, a, b,
+                                               iterations=args.iterations)
     nccl = shmap(lambda x, y: lax.psum_scatter(
         x @ y, "x", scatter_dimension=0, tiled=True))
-    out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b)
+    out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b,
+                                          iterations=args.iterations)
     row["nccl_rel_err"] = rel_error(out, ref)
     configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
                                  for c in args.rs_config]
@@ -295,7 +311,8 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                                   _diagnostic_loopback=loopback))
       try:
         poison_allocator(d * m * n * 2)
-        out, row[f"{key}_us"], row[f"{key}_kernels"] = kernel_time_us(f, a, b)
+        out, row[f"{key}_us"], row[f"{key}_kernels"] = kernel_time_us(
+            f, a, b, iterations=args.iterations)
       except Exception as e:
         print(f"ours reduce-scatter {chosen} failed: {type(e).__name__}: "
               f"{str(e)[:3000]}", flush=True)
@@ -329,6 +346,8 @@ def main():
   parser.add_argument("--rs-config", action="append", default=[],
                       help="extra reduce-scatter kernel config as JSON "
                       '("loopback": true as for --config)')
+  parser.add_argument("--iterations", type=int, default=10,
+                      help="timed runs per method (the median is reported)")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
   rows = []
@@ -347,7 +366,7 @@ def main():
     with open(args.out, "w") as f:
       json.dump({"versions": versions, "argv": sys.argv, "rows": rows}, f,
                 indent=1)
-  cols = ["bound", "ours", "seed", "nccl", "windowed"]
+  cols = ["bound", "bound_all", "ours", "seed", "nccl", "windowed"]
   print("\npattern shape            dtype " + " ".join(f"{c:>9}" for c in cols)
         + "  ours/bound")
   for r in rows:
