@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +55,32 @@ WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true "
                   "--xla_gpu_use_memcpy_local_p2p=true")
 WINDOWED_TIMEOUT_S = int(os.environ.get("WINDOWED_TIMEOUT_S", "150"))
+
+
+class Timer:
+  """Times a shape's methods into its row; with --rounds R, every method is
+  timed again R - 1 times at the end, round-robin, so a drift of the GPUs'
+  clocks over the run falls on all methods alike. `<key>_us` is the median
+  over rounds (times `scale`) and `<key>_rounds_us` keeps every round."""
+
+  def __init__(self, row, args):
+    self.row, self.iterations, self.rounds = row, args.iterations, args.rounds
+    self.methods = {}
+
+  def time(self, key, f, *operands, scale=1):
+    out, t, names = kernel_time_us(f, *operands, iterations=self.iterations)
+    self.methods[key] = (f, operands, scale)
+    self.row[f"{key}_rounds_us"] = [scale * t]
+    self.row[f"{key}_us"] = scale * t
+    return out, scale * t, names
+
+  def finish(self):
+    for _ in range(self.rounds - 1):
+      for key, (f, operands, scale) in self.methods.items():
+        _, t, _ = kernel_time_us(f, *operands, iterations=self.iterations)
+        self.row[f"{key}_rounds_us"].append(scale * t)
+    for key in self.methods:
+      self.row[f"{key}_us"] = statistics.median(self.row[f"{key}_rounds_us"])
 
 
 def parse_shape(text):
@@ -162,15 +189,14 @@ def bench_shape(m, k, n, dtype_name, args):
   mesh = jax.make_mesh((d,), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   row = {"shape": f"{m}/{k}/{n}", "dtype": dtype_name, "D": d}
+  timer = Timer(row, args)
   flops = 2 * d * m * k * n  # per device
   # Bound: the local GEMM on one device, times D.
   la = jax.device_put(jax.random.normal(jax.random.key(3), (m, k), dtype),
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  _, t_local, _ = kernel_time_us(jax.jit(jnp.dot), la, lb,
-                                 iterations=args.iterations)
-  row["bound_us"] = d * t_local
+  timer.time("bound", jax.jit(jnp.dot), la, lb, scale=d)
   with jax.set_mesh(mesh):
     a = jax.random.normal(jax.random.key(1), (d * m, k), dtype)
     b = jax.random.normal(jax.random.key(2), (k, d * n), dtype)
@@ -193,11 +219,9 @@ def bench_shape(m, k, n, dtype_name, args):
     # bound under the power and clocks of a run that keeps all GPUs busy.
     local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
                                   check_vma=False))
-    _, t_all, _ = kernel_time_us(local, a, b, iterations=args.iterations)
-    row["bound_all_us"] = d * t_all
+    timer.time("bound_all", local, a, b, scale=d)
     nccl = shmap(lambda x, y: lax.all_gather(x, "x", axis=0, tiled=True) @ y)
-    out, row["nccl_us"], _ = kernel_time_us(nccl, a, b,
-                                          iterations=args.iterations)
+    out, _, _ = timer.time("nccl", nccl, a, b)
     check("nccl", out)
 
     if d > 1 and not args.skip_seed:
@@ -231,7 +255,7 @@ def bench_shape(m, k, n, dtype_name, args):
                                     impl="pallas", kernel_config=chosen))
       try:
         poison_allocator(d * m * n * 2)
-        out, t, names = kernel_time_us(f, a, b, iterations=args.iterations)
+        out, t, names = timer.time(key, f, a, b)
       except Exception as e:
         print(f"ours {chosen} failed: {type(e).__name__}: {str(e)[:2000]}",
               flush=True)
@@ -244,16 +268,17 @@ def bench_shape(m, k, n, dtype_name, args):
       again = np.asarray(f(a, b), np.float32)
       row[f"{key}_repeat_identical"] = bool(
           np.array_equal(again, np.asarray(out, np.float32)))
-      row[f"{key}_us"], row[f"{key}_config"] = t, dataclasses.asdict(chosen)
+      row[f"{key}_config"] = dataclasses.asdict(chosen)
       row[f"{key}_kernels"] = names
 
     ring = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
                                    impl="ring"))
     check("ring", ring(a, b))
+    timer.finish()
   if args.windowed and d > 1:
     row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name)
   for key in list(row):
-    if key.endswith("_us") and row[key]:
+    if key.endswith("_us") and isinstance(row[key], float) and row[key]:
       row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
   return row
 
@@ -271,13 +296,13 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
   d = jax.device_count()
   row = {"pattern": "reduce_scatter", "shape": f"{m}/{k}/{n}",
          "dtype": dtype_name, "D": d}
+  timer = Timer(row, args)
   flops = 2 * d * m * k * n
   la = jax.device_put(jax.random.normal(jax.random.key(3), (d * m, k), dtype),
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  _, row["bound_us"], _ = kernel_time_us(jax.jit(jnp.dot), la, lb,
-                                 iterations=args.iterations)
+  timer.time("bound", jax.jit(jnp.dot), la, lb)
   mesh = jax.make_mesh((d,), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with jax.set_mesh(mesh):
@@ -293,12 +318,10 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
 
     local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
                                   check_vma=False))
-    _, row["bound_all_us"], _ = kernel_time_us(local, a, b,
-                                               iterations=args.iterations)
+    timer.time("bound_all", local, a, b)
     nccl = shmap(lambda x, y: lax.psum_scatter(
         x @ y, "x", scatter_dimension=0, tiled=True))
-    out, row["nccl_us"], row["nccl_kernels"] = kernel_time_us(nccl, a, b,
-                                          iterations=args.iterations)
+    out, _, row["nccl_kernels"] = timer.time("nccl", nccl, a, b)
     row["nccl_rel_err"] = rel_error(out, ref)
     configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
                                  for c in args.rs_config]
@@ -311,8 +334,7 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                                   _diagnostic_loopback=loopback))
       try:
         poison_allocator(d * m * n * 2)
-        out, row[f"{key}_us"], row[f"{key}_kernels"] = kernel_time_us(
-            f, a, b, iterations=args.iterations)
+        out, _, row[f"{key}_kernels"] = timer.time(key, f, a, b)
       except Exception as e:
         print(f"ours reduce-scatter {chosen} failed: {type(e).__name__}: "
               f"{str(e)[:3000]}", flush=True)
@@ -324,11 +346,12 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
       again = np.asarray(f(a, b), np.float32)
       row[f"{key}_repeat_identical"] = bool(
           np.array_equal(again, np.asarray(out, np.float32)))
+    timer.finish()
   if args.windowed and d > 1:
     row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name,
                                             reduce_scatter=True)
   for key in list(row):
-    if key.endswith("_us") and row[key]:
+    if key.endswith("_us") and isinstance(row[key], float) and row[key]:
       row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
   return row
 
@@ -348,6 +371,9 @@ def main():
                       '("loopback": true as for --config)')
   parser.add_argument("--iterations", type=int, default=10,
                       help="timed runs per method (the median is reported)")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time every method this many times, round-robin "
+                      "(the median is reported; see Timer)")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
   rows = []

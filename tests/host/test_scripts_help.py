@@ -9,7 +9,8 @@ from host_test_utils import REPO_ROOT
 
 
 @pytest.mark.parametrize("script", ["plot_kernels.py", "maxtext_ab.py",
-                                    "autotune.py"])
+                                    "autotune.py", "bench_kernels.py",
+                                    "bench_gemm_core.py"])
 def test_script_help_exits_cleanly(script):
   run = subprocess.run([sys.executable,
                         os.path.join(REPO_ROOT, "scripts", script), "--help"],

@@ -1,0 +1,56 @@
+"""bench_kernels.Timer: every method timed again, round-robin, median kept."""
+import argparse
+import importlib
+import os
+import sys
+
+from host_test_utils import REPO_ROOT
+
+
+def _bench_kernels():
+  """The script as a module; importing it sets XLA_FLAGS and NCCL variables
+  for a GPU run, which the rest of the test session must not see."""
+  saved = dict(os.environ)
+  sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+  try:
+    return importlib.import_module("bench_kernels")
+  finally:
+    sys.path.pop(0)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_rounds_are_round_robin_and_the_median_is_reported(monkeypatch):
+  bench = _bench_kernels()
+  calls = []
+  times = {"a": iter([10.0, 30.0, 20.0]), "b": iter([5.0, 1.0, 3.0])}
+
+  def fake_kernel_time_us(f, *operands, iterations):
+    calls.append(f)
+    assert iterations == 7
+    return f"out-{f}", next(times[f]), {f: 0.0}
+
+  monkeypatch.setattr(bench, "kernel_time_us", fake_kernel_time_us)
+  row = {}
+  timer = bench.Timer(row, argparse.Namespace(iterations=7, rounds=3))
+  out, t, names = timer.time("a", "a", 1, 2, scale=2)
+  assert (out, t, names) == ("out-a", 20.0, {"a": 0.0})
+  assert row["a_us"] == 20.0
+  timer.time("b", "b")
+  timer.finish()
+  assert calls == ["a", "b", "a", "b", "a", "b"]
+  assert row["a_rounds_us"] == [20.0, 60.0, 40.0]
+  assert row["a_us"] == 40.0
+  assert row["b_rounds_us"] == [5.0, 1.0, 3.0]
+  assert row["b_us"] == 3.0
+
+
+def test_one_round_keeps_the_first_time(monkeypatch):
+  bench = _bench_kernels()
+  monkeypatch.setattr(bench, "kernel_time_us",
+                      lambda f, *o, iterations: (None, 4.0, {}))
+  row = {}
+  timer = bench.Timer(row, argparse.Namespace(iterations=1, rounds=1))
+  timer.time("x", "f")
+  timer.finish()
+  assert row == {"x_us": 4.0, "x_rounds_us": [4.0]}
