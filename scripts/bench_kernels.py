@@ -61,26 +61,36 @@ class Timer:
   """Times a shape's methods into its row; with --rounds R, every method is
   timed again R - 1 times at the end, round-robin, so a drift of the GPUs'
   clocks over the run falls on all methods alike. `<key>_us` is the median
-  over rounds (times `scale`) and `<key>_rounds_us` keeps every round."""
+  over rounds (times `scale`) and `<key>_rounds_us` keeps every round. Each
+  method runs under the mesh it is timed with (`mesh`)."""
 
   def __init__(self, row, args):
     self.row, self.iterations, self.rounds = row, args.iterations, args.rounds
     self.methods = {}
 
-  def time(self, key, f, *operands, scale=1):
-    out, t, names = kernel_time_us(f, *operands, iterations=self.iterations)
-    self.methods[key] = (f, operands, scale)
+  def time(self, key, f, *operands, mesh, scale=1):
+    with jax.set_mesh(mesh):
+      out, t, names = kernel_time_us(f, *operands,
+                                     iterations=self.iterations)
+    self.methods[key] = (f, operands, mesh, scale)
     self.row[f"{key}_rounds_us"] = [scale * t]
     self.row[f"{key}_us"] = scale * t
     return out, scale * t, names
 
   def finish(self):
     for _ in range(self.rounds - 1):
-      for key, (f, operands, scale) in self.methods.items():
-        _, t, _ = kernel_time_us(f, *operands, iterations=self.iterations)
+      for key, (f, operands, mesh, scale) in self.methods.items():
+        with jax.set_mesh(mesh):
+          _, t, _ = kernel_time_us(f, *operands, iterations=self.iterations)
         self.row[f"{key}_rounds_us"].append(scale * t)
     for key in self.methods:
       self.row[f"{key}_us"] = statistics.median(self.row[f"{key}_rounds_us"])
+
+
+def one_device_mesh():
+  """The first device alone (the bound's GEMM runs there)."""
+  return jax.make_mesh((1,), ("x",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
 
 
 def parse_shape(text):
@@ -196,7 +206,8 @@ def bench_shape(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  timer.time("bound", jax.jit(jnp.dot), la, lb, scale=d)
+  timer.time("bound", jax.jit(jnp.dot), la, lb, mesh=one_device_mesh(),
+             scale=d)
   with jax.set_mesh(mesh):
     a = jax.random.normal(jax.random.key(1), (d * m, k), dtype)
     b = jax.random.normal(jax.random.key(2), (k, d * n), dtype)
@@ -219,9 +230,9 @@ def bench_shape(m, k, n, dtype_name, args):
     # bound under the power and clocks of a run that keeps all GPUs busy.
     local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
                                   check_vma=False))
-    timer.time("bound_all", local, a, b, scale=d)
+    timer.time("bound_all", local, a, b, mesh=mesh, scale=d)
     nccl = shmap(lambda x, y: lax.all_gather(x, "x", axis=0, tiled=True) @ y)
-    out, _, _ = timer.time("nccl", nccl, a, b)
+    out, _, _ = timer.time("nccl", nccl, a, b, mesh=mesh)
     check("nccl", out)
 
     if d > 1 and not args.skip_seed:
@@ -255,7 +266,7 @@ def bench_shape(m, k, n, dtype_name, args):
                                     impl="pallas", kernel_config=chosen))
       try:
         poison_allocator(d * m * n * 2)
-        out, t, names = timer.time(key, f, a, b)
+        out, t, names = timer.time(key, f, a, b, mesh=mesh)
       except Exception as e:
         print(f"ours {chosen} failed: {type(e).__name__}: {str(e)[:2000]}",
               flush=True)
@@ -302,7 +313,7 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  timer.time("bound", jax.jit(jnp.dot), la, lb)
+  timer.time("bound", jax.jit(jnp.dot), la, lb, mesh=one_device_mesh())
   mesh = jax.make_mesh((d,), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with jax.set_mesh(mesh):
@@ -318,10 +329,10 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
 
     local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
                                   check_vma=False))
-    timer.time("bound_all", local, a, b)
+    timer.time("bound_all", local, a, b, mesh=mesh)
     nccl = shmap(lambda x, y: lax.psum_scatter(
         x @ y, "x", scatter_dimension=0, tiled=True))
-    out, _, row["nccl_kernels"] = timer.time("nccl", nccl, a, b)
+    out, _, row["nccl_kernels"] = timer.time("nccl", nccl, a, b, mesh=mesh)
     row["nccl_rel_err"] = rel_error(out, ref)
     configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
                                  for c in args.rs_config]
@@ -334,7 +345,7 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                                   _diagnostic_loopback=loopback))
       try:
         poison_allocator(d * m * n * 2)
-        out, _, row[f"{key}_kernels"] = timer.time(key, f, a, b)
+        out, _, row[f"{key}_kernels"] = timer.time(key, f, a, b, mesh=mesh)
       except Exception as e:
         print(f"ours reduce-scatter {chosen} failed: {type(e).__name__}: "
               f"{str(e)[:3000]}", flush=True)
