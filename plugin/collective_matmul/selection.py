@@ -274,8 +274,11 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
   (`SENDER_BALANCED_N`, `SENDER_BALANCED_MIN_M`). Below, the transfer
   outlasts the step (n = 2048: +50 %, n = 3072: +10 %); above, the senders'
   SMs are missed (n = 11008, 14336: +1 %); at the seed shape (m = 1024, two
-  waves) they lost 120 against 104 us. Measured at D = 2 and with the
-  128 x 256 CTA tile (`wg_dimension="n"`) only.
+  waves) they lost 120 against 104 us. Measured at D = 2, with the
+  128 x 256 CTA tile (`wg_dimension="n"`, run 7) and with the 256 x 128 one
+  the heuristic takes where n is no multiple of 256 (n = 5504, the llama2
+  MLP output's backward: 2.0-2.2 % faster in three runs, the last 7 rounds
+  round-robin; benchmarks/kernel_lead/ run 9).
   """
   if _steps_in_one_wave(base, m, n, axis_size, num_sms):
     tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
@@ -283,8 +286,7 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
     return tiles and fit_shared_memory(
         dataclasses.replace(tiles, sender_sms=SENDER_SMS), dtype, out_dtype)
   low, high = SENDER_BALANCED_N
-  if (axis_size == 2 and base.wg_dimension == "n" and low <= n <= high and
-      m >= SENDER_BALANCED_MIN_M):
+  if axis_size == 2 and low <= n <= high and m >= SENDER_BALANCED_MIN_M:
     return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),
                              dtype, out_dtype)
   return None
