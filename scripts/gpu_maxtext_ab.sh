@@ -18,6 +18,8 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/gpu_info.txt" 2>&1
 # PROFILE_STEPS=N: profile N steps per arm (the breakdown in report.md).
+# ROUNDS=R: run every arm R times, order reversed every other round, step
+# times pooled (scripts/maxtext_ab.py --rounds).
 # MODEL: MaxText's model_name (default llama2-7b). COMPARE: ARM=BASELINE
 # pairs, comma-separated (scripts/maxtext_ab.py --compare).
 # Extra arms, one per line in $EXTRA_ARMS_SPEC: NAME=ARGS (scripts/maxtext_ab.py).
@@ -29,7 +31,7 @@ done <<< "${EXTRA_ARMS_SPEC:-}"
 work=/tmp/maxtext_ab
 timeout "${AB_TIMEOUT:-560}" python3 scripts/maxtext_ab.py --out "$work" \
   --arms "${ARMS:-off,auto,windowed}" --timeout "${ARM_TIMEOUT:-170}" "${EXTRA_ARMS[@]}" \
-  --profile_steps "${PROFILE_STEPS:-0}" \
+  --profile_steps "${PROFILE_STEPS:-0}" --rounds "${ROUNDS:-1}" \
   --title "${MODEL:-llama2-7b} dims, 2 layers, seq 4096, tensor_sequence=$ngpu, ${ngpu} x H200" \
   -- /tmp/site/maxtext/configs/base.yml hardware=gpu \
   skip_jax_distributed_system=True dataset_type=synthetic \

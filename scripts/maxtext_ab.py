@@ -11,6 +11,13 @@ metrics (`perf/step_time_seconds`, `learning/loss`). Written to DIR:
 ab.json (everything, with the commands), report.md, ab.png, and each arm's
 log and metrics. Exit status 1 when an arm fails or the losses differ by
 more than the tolerance.
+
+Step times of separate processes drift with the machine (on 2 x H200 the
+same arm's median moved by up to 3 % between runs). With `--rounds R` every
+arm runs R times, the order reversed every other round (off, a, b, then
+b, a, off, ...), so a drift falls on all arms alike: an arm's step time is
+the median over all its rounds' timed steps, and the report gives each
+round's ratio as well. Only the first round is profiled.
 """
 from __future__ import annotations
 
@@ -59,13 +66,16 @@ def parse_arm(spec: str) -> tuple[str, tuple[str, ...], str]:
 
 
 def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int,
-            profile_steps: int = 0) -> dict:
+            profile_steps: int = 0, tag: str = "") -> dict:
+  """Runs one arm once; `tag` tells its files and MaxText run apart from
+  the same arm's other rounds."""
   arm, flags, xla_flags = parse_arm(spec)
-  metrics = os.path.join(out, f"{arm}.metrics.jsonl")
+  run = f"{arm}{tag}"
+  metrics = os.path.join(out, f"{run}.metrics.jsonl")
   if os.path.exists(metrics):
     os.remove(metrics)
   argv = [sys.executable, "-m", "collective_matmul.integrations.maxtext",
-          *maxtext_args, f"run_name=ab_{arm}",
+          *maxtext_args, f"run_name=ab_{run}",
           f"base_output_directory={os.path.join(out, 'runs')}",
           f"metrics_file={metrics}", *flags]
   if profile_steps:
@@ -76,13 +86,13 @@ def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int,
   if xla_flags:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
   started = time.time()
-  with open(os.path.join(out, f"{arm}.log"), "w") as log:
+  with open(os.path.join(out, f"{run}.log"), "w") as log:
     try:
       rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                           timeout=timeout).returncode
     except subprocess.TimeoutExpired:
       rc = "timeout"
-  with open(os.path.join(out, f"{arm}.log")) as log:
+  with open(os.path.join(out, f"{run}.log")) as log:
     text = log.read()
   steps = []
   if os.path.exists(metrics):
@@ -102,18 +112,44 @@ def run_arm(spec: str, maxtext_args: list[str], out: str, timeout: int,
                if table else [])
   profile = None
   if profile_steps and rc == 0:
-    profile = _breakdown(os.path.join(out, "runs", f"ab_{arm}"),
+    profile = _breakdown(os.path.join(out, "runs", f"ab_{run}"),
                          profile_steps)
   return {
       "profile": profile,
       "arm": arm, "rc": rc, "seconds": round(time.time() - started, 1),
       "command": " ".join(argv), "xla_flags": env.get("XLA_FLAGS", ""),
-      "losses": losses, "step_times_s": times,
+      "losses": losses, "step_times_s": times, "timed_step_times_s": timed,
       "median_step_ms": 1e3 * statistics.median(timed) if timed else None,
       "decisions": decisions,
       "decision_summary": (text[table_start:].splitlines()[0]
                            if table_start >= 0 else None),
   }
+
+
+def round_orders(arms: list[str], rounds: int) -> list[list[str]]:
+  """The arms' order in each round: as given, reversed every other round."""
+  return [list(arms) if r % 2 == 0 else list(reversed(arms))
+          for r in range(rounds)]
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+  """One arm's runs (`run_arm`, in round order) as one result: the first
+  round's profile, decisions, losses and commands; the median over every
+  round's timed steps; the first failing round's rc; and each round's own
+  figures under "rounds"."""
+  if len(runs) == 1:
+    return runs[0]
+  timed = [t for run in runs for t in run["timed_step_times_s"]]
+  merged = dict(runs[0])
+  merged.update(
+      rc=next((run["rc"] for run in runs if run["rc"] != 0), 0),
+      seconds=round(sum(run["seconds"] for run in runs), 1),
+      timed_step_times_s=timed,
+      median_step_ms=1e3 * statistics.median(timed) if timed else None,
+      rounds=[{key: run[key] for key in ("rc", "median_step_ms", "losses",
+                                         "step_times_s", "command")}
+              for run in runs])
+  return merged
 
 
 def _profile_lib():
@@ -170,11 +206,13 @@ def compare(arms: list[dict], dtype: str,
   by_name = {a["arm"]: a for a in arms}
   base = by_name["off"]
   rows = []
-  ok = all(a["rc"] == 0 and a["losses"] for a in arms)
+  rounds_of = lambda a: a.get("rounds") or [a]
+  ok = all(r["rc"] == 0 and r["losses"] for a in arms for r in rounds_of(a))
   for arm in arms:
-    n = min(len(arm["losses"]), len(base["losses"]))
-    diffs = [abs(arm["losses"][i] - base["losses"][i]) /
-             abs(base["losses"][i]) for i in range(n)]
+    # Every round's losses against the baseline's first round.
+    diffs = [abs(losses[i] - base["losses"][i]) / abs(base["losses"][i])
+             for losses in (r["losses"] for r in rounds_of(arm))
+             for i in range(min(len(losses), len(base["losses"])))]
     max_diff = max(diffs) if diffs else None
     ratio = (arm["median_step_ms"] / base["median_step_ms"]
              if arm["median_step_ms"] and base["median_step_ms"] else None)
@@ -183,9 +221,16 @@ def compare(arms: list[dict], dtype: str,
     own = by_name[baseline_of(arm["arm"], baselines or {})]
     own_ratio = (arm["median_step_ms"] / own["median_step_ms"]
                  if arm["median_step_ms"] and own["median_step_ms"] else None)
+    # Round r of the arm against round r of its baseline.
+    round_ratios = [
+        mine["median_step_ms"] / theirs["median_step_ms"]
+        if mine["median_step_ms"] and theirs["median_step_ms"] else None
+        for mine, theirs in zip(rounds_of(arm), rounds_of(own))]
     rows.append({"arm": arm["arm"], "median_step_ms": arm["median_step_ms"],
                  "ratio_vs_off": ratio, "baseline": own["arm"],
                  "ratio_vs_baseline": own_ratio,
+                 "round_ratios_vs_baseline": (round_ratios if len(
+                     round_ratios) > 1 else []),
                  "max_rel_loss_diff": max_diff,
                  "losses_match": same,
                  "final_loss": arm["losses"][-1] if arm["losses"] else None})
@@ -202,7 +247,9 @@ def markdown(result: dict) -> str:
            f"- versions: {result['versions']}",
            f"- command: `python scripts/maxtext_ab.py {result['argv']}`",
            f"- step time: median of MaxText's `perf/step_time_seconds` over "
-           f"steps {WARMUP_STEPS}.. (steps 0..{WARMUP_STEPS - 1} compile)",
+           f"steps {WARMUP_STEPS}.. (steps 0..{WARMUP_STEPS - 1} compile)"
+           + (f", pooled over {result['rounds']} rounds (arm order reversed "
+              "every other round)" if result.get("rounds", 1) > 1 else ""),
            f"- losses match: relative difference per step <= "
            f"{LOSS_RTOL.get(result['dtype'], 2e-2)} ({result['dtype']})", "",
            "| arm | median step (ms) | vs off | baseline | vs baseline | "
@@ -215,6 +262,15 @@ def markdown(result: dict) -> str:
         f"| {_fmt(row.get('ratio_vs_baseline'), '.3f')} | "
         f"{_fmt(row['max_rel_loss_diff'], '.2e')} | "
         f"{_fmt(row['final_loss'], '.5f')} |")
+  per_round = [row for row in result["comparison"]["rows"]
+               if row.get("round_ratios_vs_baseline")
+               and row["arm"] != row["baseline"]]
+  if per_round:
+    lines.append("")
+  for row in per_round:
+    lines.append(
+        f"- {row['arm']} / {row['baseline']}, round by round: " + ", ".join(
+            _fmt(x, ".3f") for x in row["round_ratios_vs_baseline"]))
   profiled = [a for a in result["arms"] if a.get("profile")]
   if profiled:
     lines += ["", "GPU kernel time per step (ms, GPU 0, MaxText's xplane "
@@ -294,6 +350,10 @@ def main() -> int:
                       metavar="ARM=BASELINE",
                       help="compare ARM with BASELINE instead of off (step "
                       "ratio and profile), e.g. auto_attn=attn")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="run every arm this many times, the order "
+                      "reversed every other round; step times are pooled "
+                      "(only the first round is profiled)")
   parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
   args = parser.parse_args()
   maxtext_args = [a for a in args.maxtext_args if a != "--"]
@@ -313,21 +373,28 @@ def main() -> int:
     baselines[arm] = base
   if args.profile_steps < 0:
     parser.error(f"--profile_steps={args.profile_steps} must be >= 0")
+  if args.rounds < 1:
+    parser.error(f"--rounds={args.rounds} must be >= 1")
   if not maxtext_args or not maxtext_args[0].endswith(".yml"):
     parser.error("give MaxText's base.yml and key=value arguments after --")
   os.makedirs(args.out, exist_ok=True)
   dtype = next((a.split("=", 1)[1] for a in maxtext_args
                 if a.startswith("dtype=")), "bfloat16")
-  results = []
-  for arm in arms:
-    print(f"== arm {arm} ...", flush=True)
-    results.append(run_arm(arm, maxtext_args, args.out, args.timeout,
-                           args.profile_steps))
-    r = results[-1]
-    print(f"   rc={r['rc']} {r['seconds']} s, median step "
-          f"{_fmt(r['median_step_ms'], '.2f')} ms, {len(r['losses'])} steps"
-          + (f", {r['decision_summary']}" if r["decision_summary"] else ""),
-          flush=True)
+  runs = {name: [] for name in names}
+  for number, order in enumerate(round_orders(arms, args.rounds)):
+    tag = f"_r{number}" if args.rounds > 1 else ""
+    for arm in order:
+      print(f"== arm {arm}"
+            + (f", round {number + 1} of {args.rounds}" if tag else "")
+            + " ...", flush=True)
+      r = run_arm(arm, maxtext_args, args.out, args.timeout,
+                  args.profile_steps if number == 0 else 0, tag=tag)
+      runs[r["arm"]].append(r)
+      print(f"   rc={r['rc']} {r['seconds']} s, median step "
+            f"{_fmt(r['median_step_ms'], '.2f')} ms, {len(r['losses'])} steps"
+            + (f", {r['decision_summary']}" if r["decision_summary"] else ""),
+            flush=True)
+  results = [merge_rounds(runs[name]) for name in names]
   import jax  # pylint: disable=g-import-not-at-top
   devices = jax.devices()
   result = {
@@ -335,6 +402,7 @@ def main() -> int:
                                       if a.startswith(("model_name=",
                                                        "ici_"))),
       "argv": " ".join(sys.argv[1:]), "dtype": dtype,
+      "rounds": args.rounds,
       "machine": f"{len(devices)} x {devices[0].device_kind}, "
                  f"{platform.node()}",
       "versions": f"python {platform.python_version()}, jax "
