@@ -2,6 +2,7 @@
 
   python scripts/autotune.py --shapes 1024/4096/4096 4096/8192/7168 [--dtype bf16]
   python scripts/autotune.py --pattern reduce_scatter --shapes 1024/4096/4096
+  python scripts/autotune.py --shapes 8192/4096/11008 --rounds 5  # finalists
 
 Uses all local GPUs as one ring (mesh axis "x"). The cache path is
 $COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
@@ -23,6 +24,11 @@ def main():
                       help="local m/k/n per shard")
   parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
   parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time the sweep's fastest --finalists this many "
+                      "times round-robin and keep the best median (one "
+                      "reading each cannot rank configs a few %% apart)")
+  parser.add_argument("--finalists", type=int, default=3)
   parser.add_argument("--pattern", default="all_gather",
                       choices=list(autotuning.PATTERNS),
                       help="which kernel: all_gather (shapes: shard m/k/n) "
@@ -35,7 +41,9 @@ def main():
     m, k, n = map(int, text.split("/"))
     best, results = autotuning.autotune(m, k, n, dtype, mesh, "x",
                                      iterations=args.iterations,
-                                     pattern=args.pattern)
+                                     pattern=args.pattern,
+                                     rounds=args.rounds,
+                                     finalists=args.finalists)
     for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:
       print(f"{text}: {us:8.1f} us  {name}")
     print(f"{text}: best {best}")

@@ -287,6 +287,43 @@ def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
   assert "no candidate ran" not in str(info.value)
 
 
+def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
+  """With rounds, the sweep's fastest few are timed again round-robin and
+  the best median wins, not the luckiest single reading."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  # First pass A, B, C, D; then two rounds over the finalists in first-pass
+  # order (B, A, C). B's 9 was luck: its median is 13; A's is 10.
+  readings = iter([10.0, 9.0, 11.0, 20.0, 13.0, 10.0, 12.0, 14.0, 10.0, 11.0])
+  calls = []
+
+  def fake_kernel_time_us(f, a, b, iterations):
+    calls.append(f)
+    out = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    return out, next(readings), {}
+
+  monkeypatch.setattr(autotuning, "kernel_time_us", fake_kernel_time_us)
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  configs = [Config(send_gap=gap) for gap in (8, 12, 16, 24)]
+  best, results = autotuning.autotune(
+      128, 256, 128, jnp.bfloat16, mesh, "x", configs=configs, iterations=1,
+      store=False, rounds=3, finalists=3)
+  assert best == configs[0]
+  assert [results[repr(c)] for c in configs] == [10.0, 13.0, 11.0, 20.0]
+  assert len(calls) == 10
+  # The same function object is timed again for a finalist.
+  assert calls[4] is calls[1] and calls[5] is calls[0]
+  # Without rounds, the single best reading wins.
+  readings = iter([10.0, 9.0, 11.0, 20.0])
+  best, _ = autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
+                                configs=configs, iterations=1, store=False)
+  assert best == configs[1]
+  with pytest.raises(ValueError, match="rounds=0"):
+    autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
+                        configs=configs, store=False, rounds=0)
+
+
 @pytest.mark.parametrize("m,k,n,d,senders,cta", [
     # Every ring step's tiles in one wave at D = 2: dedicated senders, and
     # 128 x 128 tiles so a ring step fills the 128 compute SMs once
