@@ -14,7 +14,9 @@ For each shape (per shard m/k/n) and dtype, one process owning all GPUs:
             for multi-stream programs)
 Kernel time = for each kernel name, the minimum over devices, summed (a
 device that waited for its peer does not count its wait); the median over
-iterations. Every method's result is checked against an f32 reference,
+iterations. With --rounds R every method of a shape is timed R times,
+round-robin, and the median over the rounds is reported (`Timer`): long
+kernels' times drift between back-to-back readings. Every method's result is checked against an f32 reference,
 except a config run in loopback (`"loopback": true` in its --config /
 --rs-config JSON: every device sends to itself, the kernel's
 `_diagnostic_loopback`, to time what NVLink costs; WRONG RESULTS by design).
@@ -389,6 +391,8 @@ def main():
                       "(the median is reported; see Timer)")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
+  if args.rounds < 1 or args.iterations < 1:
+    parser.error("--rounds and --iterations must be >= 1")
   rows = []
   versions = {"jax": jax.__version__, "devices": [str(x.device_kind) for x in
                                                   jax.devices()]}
