@@ -314,15 +314,29 @@ def plot(result: dict, path: str) -> bool:
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return False
-  fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+  rounds = result.get("rounds", 1) > 1
+  fig, axes = plt.subplots(1, 3 if rounds else 2,
+                           figsize=(16 if rounds else 11, 4))
+  ax_t, ax_l = axes[0], axes[1]
+  if rounds:  # Each round's median per arm: the drift the rounds average.
+    for arm in result["arms"]:
+      medians = [r["median_step_ms"] for r in arm.get("rounds", [])]
+      axes[2].plot(range(1, len(medians) + 1), medians, marker="o",
+                   label=arm["arm"])
+    axes[2].set_xticks(range(1, result["rounds"] + 1))
+    axes[2].set(xlabel="round", ylabel="median step time (ms)",
+                title="each round's median (order reversed every other)")
+    axes[2].legend()
   for arm in result["arms"]:
     times = [1e3 * t for t in arm["step_times_s"]][WARMUP_STEPS:]
     ax_t.plot(range(WARMUP_STEPS, WARMUP_STEPS + len(times)), times,
-              marker=".", label=f"{arm['arm']} "
-              f"(median {_fmt(arm['median_step_ms'], '.1f')} ms)")
+              marker=".", label=f"{arm['arm']} ("
+              + ("pooled " if rounds else "")
+              + f"median {_fmt(arm['median_step_ms'], '.1f')} ms)")
     ax_l.plot(arm["losses"], marker=".", label=arm["arm"])
   ax_t.set(xlabel="step", ylabel="step time (ms)",
-           title="MaxText step time per arm")
+           title="MaxText step time per arm" + (" (round 1)" if rounds
+                                               else ""))
   ax_l.set(xlabel="step", ylabel="loss", title="loss per arm")
   ax_t.legend(), ax_l.legend()
   fig.suptitle(result["title"])

@@ -93,6 +93,8 @@ def test_main_runs_the_rounds_in_alternating_order(tmp_path, monkeypatch):
   report = (tmp_path / "report.md").read_text()
   assert "pooled over 3 rounds" in report
   assert "auto / off, round by round: 0.950, 0.951, 0.951" in report
+  if importlib.util.find_spec("matplotlib"):  # with a panel per round
+    assert (tmp_path / "ab.png").stat().st_size > 0
 
 
 def test_rounds_must_be_positive(tmp_path, monkeypatch, capsys):
