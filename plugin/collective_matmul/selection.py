@@ -277,8 +277,8 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
   waves) they lost 120 against 104 us. Measured at D = 2, with the
   128 x 256 CTA tile (`wg_dimension="n"`, run 7) and with the 256 x 128 one
   the heuristic takes where n is no multiple of 256 (n = 5504, the llama2
-  MLP output's backward: 2.0-2.2 % faster in three runs, the last 7 rounds
-  round-robin; benchmarks/kernel_lead/ run 9).
+  MLP output's backward: 1.8-2.0 % faster in three runs, the last 7 rounds
+  round-robin; benchmarks/kernel_lead/ runs 9 and 11).
   """
   if _steps_in_one_wave(base, m, n, axis_size, num_sms):
     tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
