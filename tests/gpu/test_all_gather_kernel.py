@@ -93,26 +93,32 @@ def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms):
         np.broadcast_to(np.asarray(a, np.float32), (d, d * m, k)))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_every_config_is_exact_and_repeatable(config):
-  d = min(2, HOPPER_COUNT)
-  m, k, n = 512, 2048, 1024
+def _assert_exact_and_repeatable(d, m, k, n, config, repeats, seed):
+  """The kernel at `config` (None: the selection's) against the f32
+  reference, with the output memory poisoned before every run, and
+  identical over `repeats` runs (a result that changes is a race)."""
   with jax.set_mesh(_mesh(d)):
     a = jax.sharding.reshard(
-        jax.random.normal(jax.random.key(3), (d * m, k), jnp.bfloat16),
+        jax.random.normal(jax.random.key(seed), (d * m, k), jnp.bfloat16),
         P("x", None))
     b = jax.sharding.reshard(
-        jax.random.normal(jax.random.key(4), (k, d * n), jnp.bfloat16),
+        jax.random.normal(jax.random.key(seed + 1), (k, d * n), jnp.bfloat16),
         P(None, "x"))
     ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
     first = None
-    for _ in range(5):  # A result that changes between runs is a race.
+    for _ in range(repeats):
       _poison(d * m * n * 4)
       out = np.asarray(_run("pallas", a, b, config), np.float32)
       assert _rel(out, ref) < 1e-2
       if first is None:
         first = out
       np.testing.assert_array_equal(out, first)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_every_config_is_exact_and_repeatable(config):
+  _assert_exact_and_repeatable(min(2, HOPPER_COUNT), 512, 2048, 1024, config,
+                               repeats=5, seed=3)
 
 
 @pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
@@ -122,26 +128,10 @@ def test_balanced_senders_with_the_256_row_tile_are_exact_and_repeatable():
   blocks, checked against the f32 reference with the output poisoned, and
   identical over repeats."""
   from collective_matmul import selection  # pylint: disable=g-import-not-at-top
-  d = 2
   m, k, n = 4096, 1024, 4224
-  config = selection.select_config(m, k, n, jnp.bfloat16, d)
+  config = selection.select_config(m, k, n, jnp.bfloat16, 2)
   assert (config.sender_sms, config.cta_tile_m) == (4, 256), config
-  with jax.set_mesh(_mesh(d)):
-    a = jax.sharding.reshard(
-        jax.random.normal(jax.random.key(5), (d * m, k), jnp.bfloat16),
-        P("x", None))
-    b = jax.sharding.reshard(
-        jax.random.normal(jax.random.key(6), (k, d * n), jnp.bfloat16),
-        P(None, "x"))
-    ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
-    first = None
-    for _ in range(3):
-      _poison(d * m * n * 4)
-      out = np.asarray(_run("pallas", a, b), np.float32)
-      assert _rel(out, ref) < 1e-2
-      if first is None:
-        first = out
-      np.testing.assert_array_equal(out, first)
+  _assert_exact_and_repeatable(2, m, k, n, None, repeats=3, seed=5)
 
 
 def test_float32_output():
