@@ -132,6 +132,13 @@ def main():
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--out", default="gemm_core.json")
   args = parser.parse_args()
+  for shape in args.shapes:
+    dims = shape.split("/")
+    if len(dims) != 3 or not all(x.isdigit() and int(x) > 0 for x in dims):
+      parser.error(f"--shapes {shape!r}: expected M/K/N, three positive "
+                   "integers (e.g. 16384/4096/2048)")
+  if args.iterations < 1:
+    parser.error("--iterations must be >= 1")
   rows = []
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -18,3 +18,13 @@ def test_script_help_exits_cleanly(script):
                        cwd=REPO_ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   assert "usage" in run.stdout.lower()
+
+
+def test_bench_gemm_core_rejects_a_malformed_shape():
+  run = subprocess.run([sys.executable,
+                        os.path.join(REPO_ROOT, "scripts", "bench_gemm_core.py"),
+                        "--shapes", "16384/4096"],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=REPO_ROOT)
+  assert run.returncode == 2
+  assert "expected M/K/N" in run.stderr
