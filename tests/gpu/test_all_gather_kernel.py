@@ -28,6 +28,9 @@ CONFIGS = [
     kernels.AllGatherConfig(sender_sms=4),
     kernels.AllGatherConfig(tile_m=128, tile_n=128, wg_dimension="m",
                             sender_sms=8),
+    kernels.AllGatherConfig(sender_sms=4, k_major_sends=True),
+    kernels.AllGatherConfig(tile_m=128, tile_n=128, wg_dimension="m",
+                            sender_sms=3, k_major_sends=True),
 ]
 
 
@@ -69,12 +72,15 @@ def test_kernel_matches_f32_reference_and_ring(d, m, k, n, dtype):
 @pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (1000, 1024, 512),
                                    (256, 512, 384)])
 @pytest.mark.parametrize("sender_sms", [1, 4, 16])
-def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms):
-  """Dedicated sender blocks (16 on k=512: half of them have no k block)
-  against the f32 reference, with the gathered shards they delivered."""
+@pytest.mark.parametrize("k_major", [False, True])
+def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms, k_major):
+  """Dedicated sender blocks (16 on k=512: half of them have no k block),
+  by rows or k-major, against the f32 reference, with the gathered shards
+  they delivered."""
   if d > HOPPER_COUNT:
     pytest.skip(f"needs {d} GPUs")
-  config = kernels.AllGatherConfig(sender_sms=sender_sms)
+  config = kernels.AllGatherConfig(sender_sms=sender_sms,
+                                   k_major_sends=k_major)
   key = jax.random.key(m + n + d + sender_sms)
   with jax.set_mesh(_mesh(d)):
     a = jax.sharding.reshard(

@@ -41,7 +41,8 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(wg_dimension="m", send_gap=4),
            kernels.AllGatherConfig(tile_m=64, grid_minor_dim="n"),
            kernels.AllGatherConfig(sender_sms=4),
-           kernels.AllGatherConfig(wg_dimension="m", sender_sms=16)]
+           kernels.AllGatherConfig(wg_dimension="m", sender_sms=16),
+           kernels.AllGatherConfig(sender_sms=3, k_major_sends=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

@@ -1,6 +1,7 @@
 """kernels/configs and kernels/schedule: config validation and the ring
 schedule the kernels trace, run on CPU arrays (nothing here needs a GPU).
 """
+import collections
 import itertools
 import json
 import math
@@ -187,31 +188,60 @@ def test_source_device_visits_every_shard_once():
     np.testing.assert_array_equal(seen[0], np.arange(axis_size))
 
 
+@pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize("k_iters,sender_sms", [(64, 4), (64, 3), (8, 16),
-                                                 (1, 4), (16, 1)])
+                                                 (1, 4), (16, 1), (10, 4)])
 @pytest.mark.parametrize("m_iters,axis_size", [(8, 2), (3, 4)])
-def test_sender_blocks_forward_every_chunk_once_row_blocks_in_order(
-    k_iters, sender_sms, m_iters, axis_size):
+def test_sender_blocks_forward_every_chunk_once_and_announce_every_unit(
+    k_iters, sender_sms, m_iters, axis_size, k_major):
   """The sender blocks' copy loops together forward every (ring step, row
-  block, k block) exactly once; each sender goes step by step, row block by
-  row block, and `num_senders` of them announce each row block."""
-  per, num_senders, _ = schedule.send_plan(k_iters, sender_sms, True)
+  block, k block) exactly once, steps in order. By rows each goes row block
+  by row block; k-major, k group by k group. Every arrival unit is opened
+  and closed once per sender with chunks in it, in the order the units
+  are waited for, and gets exactly the signals it waits for."""
+  plan = schedule.SenderPlan(k_iters, m_iters, sender_sms, k_major)
   seen = []
-  announcing = 0
+  signals = collections.Counter()
   for sender in range(sender_sms):
-    share = int(schedule.sender_share(jnp.int32(sender), k_iters, per))
-    announcing += share > 0
-    order = []
+    share = int(plan.share(jnp.int32(sender)))
+    order, opened = [], []
     for c in range((axis_size - 1) * m_iters * share):
-      step, i, j = (int(v) for v in schedule.sender_chunk(
-          jnp.int32(c), jnp.int32(share), m_iters))
-      assert 0 <= j < share
-      seen.append((step, i, sender * per + j))
-      order.append((step, i))
+      step, i, j = (int(v) for v in plan.chunk(jnp.int32(c), jnp.int32(share)))
+      assert 0 <= j < share and 0 <= i < m_iters
+      kb = int(plan.k_block(jnp.int32(sender), jnp.int32(j)))
+      unit = int(plan.unit(i, j))
+      # A k-major unit is a k group: blocks [unit * S, (unit + 1) * S).
+      assert unit == (kb // sender_sms if k_major else i)
+      seen.append((step, i, kb))
+      order.append((step, unit))
+      if bool(plan.opens_unit(i, j)):
+        opened.append((step, unit))
+      if bool(plan.closes_unit(i, j, jnp.int32(share))):
+        assert opened[-1] == (step, unit)
+        signals[step, unit] += 1
     assert order == sorted(order)
-  assert announcing == num_senders
   assert sorted(seen) == [(s, i, kb) for s in range(axis_size - 1)
                           for i in range(m_iters) for kb in range(k_iters)]
+  units = {(step, kb // sender_sms if k_major else i)
+           for step, i, kb in seen}
+  assert set(signals) == units
+  assert plan.num_units == 1 + max(u for _, u in units)
+  for (_, unit), count in signals.items():
+    assert count == int(plan.unit_signals(jnp.int32(unit)))
+
+
+def test_k_major_groups_are_the_pipelines_k_order():
+  """A k-major tile waits for group kk // S at pipeline steps kk that are
+  multiples of S, loading k blocks in order: so group g must be exactly k
+  blocks [g * S, (g + 1) * S)."""
+  k_iters, sender_sms = 10, 4
+  plan = schedule.SenderPlan(k_iters, 2, sender_sms, True)
+  groups = collections.defaultdict(set)
+  for sender in range(sender_sms):
+    for j in range(int(plan.share(jnp.int32(sender)))):
+      groups[j].add(int(plan.k_block(jnp.int32(sender), jnp.int32(j))))
+  assert [sorted(groups[g]) for g in sorted(groups)] == [
+      [0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 @pytest.mark.parametrize("slots", [2, 3, 7, 12])
@@ -258,6 +288,12 @@ def test_sender_slots_fit_shared_memory():
 def test_kernel_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"{field}="):
     Config(**{field: value})
+
+
+def test_k_major_sends_need_sender_blocks():
+  with pytest.raises(ValueError, match="k_major_sends=True needs sender_sms"):
+    Config(k_major_sends=True)
+  assert Config(sender_sms=4, k_major_sends=True).k_major_sends
 
 
 def test_kernel_config_epilogue_must_divide_tile():

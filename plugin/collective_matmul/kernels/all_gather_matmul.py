@@ -49,10 +49,10 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   ring = axis_size > 1
   sender_sms = config.sender_sms if ring else 0
   if sender_sms:
-    # Dedicated sender blocks: sender j forwards k blocks [j * per, ...) of
-    # every row block; the compute tiles send nothing.
-    per_sender, num_senders, send_gap = schedule.send_plan(
-        k_iters, sender_sms, True)
+    # Dedicated sender blocks forward the shard (`schedule.SenderPlan`);
+    # the compute tiles send nothing.
+    plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
+                               config.k_major_sends)
   else:
     per_sender, num_senders, send_gap = schedule.send_plan(
         k_iters, grid.n_iters, config.spread_sends, config.send_gap)
@@ -63,9 +63,11 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       send_to = dev
     peer_scratch = plgpu.remote_ref(scratch_ref, common.peer_id(axis_name,
                                                                 send_to))
-    # arrived[s, i]: senders whose slice of row block i for step s + 1 landed.
+    # arrived[s, u]: senders whose part of unit u (a row block; with
+    # k-major senders a k group) for step s + 1 landed.
+    units = plan.num_units if sender_sms else grid.m_iters
     arrived = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((axis_size - 1, grid.m_iters)))
+        plgpu.SemaphoreType.REGULAR((axis_size - 1, units)))
   else:
     dev = 0
 
@@ -85,9 +87,14 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     if not ring:
       return common.TileHooks(
           run=lambda matmul: matmul(lhs_local_ref, first_row()))
+    if sender_sms and plan.k_major:
+      return common.TileHooks(
+          run=functools.partial(run_k_major, step, first_row),
+          before_load=functools.partial(wait_k_group, step))
     if sender_sms:
-      return common.TileHooks(run=functools.partial(receive_and_run, step,
-                                                    m_idx, first_row))
+      return common.TileHooks(run=functools.partial(
+          receive_and_run, step, m_idx, first_row,
+          plan.unit_signals(m_idx)))
 
     share = schedule.sender_share(n_idx, k_iters, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
@@ -123,10 +130,11 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                             device_id=common.peer_id(axis_name, send_to))
 
     return common.TileHooks(
-        run=functools.partial(receive_and_run, step, m_idx, first_row),
+        run=functools.partial(receive_and_run, step, m_idx, first_row,
+                              num_senders),
         k_step=forward_slices)
 
-  def receive_and_run(step, m_idx, first_row, matmul):
+  def receive_and_run(step, m_idx, first_row, signals, matmul):
     """Step 0 multiplies the local shard; a later step waits until every
     sender's slice of its row block has landed, then multiplies that."""
     @pl.when(step == 0)
@@ -135,9 +143,29 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
 
     @pl.when(step > 0)
     def _received():
-      pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+      pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
                         decrement=False)
       matmul(scratch_ref.at[step - 1], first_row())
+
+  def run_k_major(step, first_row, matmul):
+    """As `receive_and_run`, but a later step's tile starts at once: its
+    memory warpgroup waits for each k group (`wait_k_group`)."""
+    @pl.when(step == 0)
+    def _local():
+      matmul(lhs_local_ref, first_row())
+
+    @pl.when(step > 0)
+    def _received():
+      matmul(scratch_ref.at[step - 1], first_row())
+
+  def wait_k_group(step, kk):
+    """Before a later step's tile loads k block kk, the first of a k group,
+    waits until every sender's part of that group has landed."""
+    @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
+    def _wait():
+      group = lax.div(kk, jnp.int32(sender_sms))
+      pl.semaphore_wait(arrived.at[step - 1, group],
+                        plan.unit_signals(group), decrement=False)
 
   if not sender_sms:
     common.ring_tile_loop(
@@ -161,32 +189,31 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
                   peer_scratch, arrived, send_to=send_to,
                   axis_name=axis_name, axis_size=axis_size, config=config,
-                  m_iters=grid.m_iters, k_iters=k_iters, per=per_sender,
-                  num_senders=num_senders, wg_idx=grid.wg_idx)
+                  plan=plan, wg_idx=grid.wg_idx)
 
 
 def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
                   send_to, axis_name, axis_size, config: AllGatherConfig,
-                  m_iters, k_iters, per, num_senders, wg_idx):
+                  plan: schedule.SenderPlan, wg_idx):
   """A sender block's copy loop: its k blocks of every row block of every
-  ring step, TMA-loaded from the local shard (step 0) or from the slot the
-  previous device filled (later steps, once every sender's slice of that
-  row block arrived) and TMA-stored into the next device's scratch
-  (`schedule.sender_pipeline`: loads ahead and stores in flight). Each
-  (step, row block) is announced once this block's stores of it have
-  landed. Runs on warpgroup 0; the others have nothing to do."""
+  ring step, in `plan`'s order, TMA-loaded from the local shard (step 0)
+  or from the slot the previous device filled (later steps, once every
+  sender's part of that arrival unit arrived) and TMA-stored into the next
+  device's scratch (`schedule.sender_pipeline`: loads ahead and stores in
+  flight). Each (step, unit) is announced once this block's stores of it
+  have landed. Runs on warpgroup 0; the others have nothing to do."""
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
   ahead, in_flight, lag = schedule.sender_pipeline(slots)
-  share = schedule.sender_share(sender, k_iters, per)
-  num_chunks = (axis_size - 1) * m_iters * share
+  share = plan.share(sender)
+  num_chunks = (axis_size - 1) * plan.m_iters * share
   peer = common.peer_id(axis_name, send_to)
 
   def chunk(c):
-    step, i, j = schedule.sender_chunk(c, share, m_iters)
+    step, i, j = plan.chunk(c, share)
     return step, i, j, pl.ds(i * cta_tile_m, cta_tile_m), pl.ds(
-        (sender * per + j) * tile_k, tile_k)
+        plan.k_block(sender, j) * tile_k, tile_k)
 
   @functools.partial(
       pl.run_scoped,
@@ -209,19 +236,21 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 
         @pl.when(step > 0)
         def _received():
-          @pl.when(j == 0)
-          def _wait():  # Each row block of a later step once.
-            pl.semaphore_wait(arrived.at[step - 1, i], num_senders,
-                              decrement=False)
+          @pl.when(plan.opens_unit(i, j))
+          def _wait():  # Each unit of a later step once.
+            unit = plan.unit(i, j)
+            pl.semaphore_wait(arrived.at[step - 1, unit],
+                              plan.unit_signals(unit), decrement=False)
           plgpu.copy_gmem_to_smem(scratch_ref.at[step - 1, rows, cols],
                                   buf.at[slot], loaded.at[slot])
 
       def announce_if_last(c):
         step, i, j, _, _ = chunk(c)
 
-        @pl.when(j == share - 1)
+        @pl.when(plan.closes_unit(i, j, share))
         def _announce():
-          pl.semaphore_signal(arrived.at[step, i], device_id=peer)
+          pl.semaphore_signal(arrived.at[step, plan.unit(i, j)],
+                              device_id=peer)
 
       for c in range(ahead):  # The prologue: the first loads.
         pl.when(c < num_chunks)(functools.partial(load, c))
@@ -234,12 +263,16 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
         plgpu.copy_smem_to_gmem(buf.at[slot], peer_scratch.at[step, rows,
                                                               cols])
 
-        # A row block whose last chunk is c - lag is announced once that
-        # store (and so every older one) has landed.
-        @pl.when((c >= lag) & (lax.rem(c - lag, share) == share - 1))
+        # A unit whose last chunk is c - lag is announced once that store
+        # (and so every older one) has landed.
+        @pl.when(c >= lag)
         def _landed():
-          plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
-          announce_if_last(c - lag)
+          _, i, j, _, _ = chunk(c - lag)
+
+          @pl.when(plan.closes_unit(i, j, share))
+          def _closes():
+            plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
+            announce_if_last(c - lag)
 
         # Chunk c + ahead goes where chunk c - in_flight was: once that
         # store has read it (at most `in_flight` newer stores pending).

@@ -43,23 +43,35 @@ def swizzled(dtype, cols: int):
 
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
-                    delay_release=1):
+                    delay_release=1, before_load=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
   (default: in order). With `delay_release=1` slots are released one step
   late, so a body may still read its slot (e.g. to forward it) during the
   next; that costs one step of prefetch depth, so a kernel that does not
-  forward passes 0.
+  forward passes 0. `before_load(step)` runs in the memory warpgroup just
+  before it issues the loads of pipeline step `step` (e.g. to wait until
+  that k block has arrived from a peer).
   """
   order = k_order or (lambda kk: kk)
+
+  def a_block(kk):
+    # JAX's pipeline evaluates an input's index map only where the memory
+    # warpgroup issues that input's copy (A's first, then B's), so a wait
+    # placed here holds exactly the loads of step kk. Also traced once,
+    # unevaluated, to see which grid indices the map uses.
+    if before_load is not None:
+      before_load(kk)
+    return 0, order(kk)
+
   transforms = swizzled(dtype, tile_k)
   return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(k_iters,),
       memory_registers=40,
       in_specs=[
-          plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, order(kk)),
+          plgpu.BlockSpec((cta_tile_m, tile_k), a_block,
                           transforms=transforms, memory_space=plgpu.SMEM,
                           delay_release=delay_release),
           plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
@@ -294,11 +306,14 @@ class TileHooks:
       step kk is issued and before waiting for the previous one (sends).
     epilogue: `epilogue(acc_ref)` after the k loop; default
       `Tile.store_to_output`.
+    before_load: `before_load(kk)` in the memory warpgroup before it loads
+      pipeline step kk's blocks (`matmul_pipeline`).
   """
 
   run: Callable[[Callable[[Any, Any], None]], None]
   k_step: Callable[[jax.Array, Any], None] | None = None
   epilogue: Callable[[Any], None] | None = None
+  before_load: Callable[[jax.Array], None] | None = None
 
 
 def persistent_loop(total: int, num_blocks: int):
@@ -352,7 +367,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   split_m = config.wg_dimension == "m"
   wg_idx = grid.wg_idx
 
-  def make_pipeline(body, compute_context, n_idx):
+  def make_pipeline(body, compute_context, n_idx, before_load=None):
     order = None
     if k_order is not None:
       order = lambda kk: k_order(kk, n_idx)
@@ -360,7 +375,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
-        delay_release=delay_release)
+        delay_release=delay_release, before_load=before_load)
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
@@ -416,7 +431,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         return acc_ref
 
       def matmul(a_rows_ref, row):
-        make_pipeline(mma_body, compute_context, n_idx)(
+        make_pipeline(mma_body, compute_context, n_idx, hooks.before_load)(
             a_rows_ref.at[pl.ds(row, cta_tile_m), :],
             b_ref.at[:, cta_n],
             allocations=pipeline_allocs)

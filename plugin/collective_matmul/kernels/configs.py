@@ -111,17 +111,30 @@ class AllGatherConfig(TileConfig):
       multiply, their pipelines releasing slots at once. Worth it where the
       tiles of a ring step leave SMs idle anyway (e.g. 128 tiles on 132
       SMs); `spread_sends` and `send_gap` do not apply then.
+    k_major_sends: with `sender_sms`, the senders deliver the shard one
+      k group at a time across all its row blocks (sender j forwards k
+      blocks j, j + sender_sms, ...; a group is one k block of each
+      sender), and a tile of a later ring step waits for each group as its
+      pipeline loads it, not for its whole row block up front. Where a ring
+      step is one wave, the next step's tiles then start as soon as the
+      first groups are in, and the transfer only has to stay ahead of
+      their k loops. False: row block by row block, each sender a
+      contiguous slice of k.
   """
 
   spread_sends: bool = True
   send_gap: int = 12
   sender_sms: int = 0
+  k_major_sends: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     _check_send_gap(self.send_gap)
     if self.sender_sms < 0:
       raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
+    if self.k_major_sends and not self.sender_sms:
+      raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
+                       "the dedicated senders' copies)")
 
   @property
   def sender_chunk_elems(self) -> int:

@@ -117,6 +117,84 @@ def sender_chunk(c, share: int, m_iters: int):
           lax.rem(c, share))
 
 
+@dataclasses.dataclass(frozen=True)
+class SenderPlan:
+  """How the dedicated sender blocks (`AllGatherConfig.sender_sms`) split a
+  ring step's shard into chunks (a CTA row block's `tile_k` columns), in
+  which order each forwards its chunks, and what one arrival semaphore
+  counts.
+
+  By rows (`k_major=False`): sender s forwards the contiguous k blocks
+  [s * per, s * per + share) of every row block, row block by row block;
+  a unit of arrival is one row block (`num_senders` signals).
+  K-major: sender s forwards k blocks s, s + S, s + 2 S, ... (S senders) of
+  every row block, a k group at a time across all row blocks; a unit is
+  one k group, k blocks [g * S, (g + 1) * S) (one signal per sender with a
+  block in it), which a tile waits for as its pipeline reaches it.
+  """
+
+  k_iters: int
+  m_iters: int
+  sender_sms: int
+  k_major: bool
+
+  @property
+  def per(self) -> int:
+    """By rows: k blocks per sender (the slice length)."""
+    return send_plan(self.k_iters, self.sender_sms, True)[0]
+
+  @property
+  def num_units(self) -> int:
+    """Arrival units (semaphores) per ring step."""
+    if self.k_major:
+      return -(-self.k_iters // self.sender_sms)
+    return self.m_iters
+
+  def share(self, sender):
+    """How many k blocks of each row block sender `sender` forwards."""
+    if self.k_major:
+      return jnp.maximum(
+          lax.div(self.k_iters - sender + self.sender_sms - 1,
+                  jnp.int32(self.sender_sms)), 0)
+    return sender_share(sender, self.k_iters, self.per)
+
+  def chunk(self, c, share):
+    """Chunk `c` of a sender's copy loop -> (ring step, row block i, j),
+    its j-th k block (`k_block`); steps in order."""
+    if not self.k_major:
+      return sender_chunk(c, share, self.m_iters)
+    per_step = self.m_iters * share
+    within = lax.rem(c, per_step)
+    return (lax.div(c, per_step), lax.rem(within, self.m_iters),
+            lax.div(within, self.m_iters))
+
+  def k_block(self, sender, j):
+    if self.k_major:
+      return j * self.sender_sms + sender
+    return sender * self.per + j
+
+  def unit(self, i, j):
+    """The arrival unit (semaphore index within a step) of chunk (i, j)."""
+    return j if self.k_major else i
+
+  def opens_unit(self, i, j):
+    """Whether chunk (i, j) is a sender's first of its unit."""
+    return (i if self.k_major else j) == 0
+
+  def closes_unit(self, i, j, share):
+    """Whether chunk (i, j) is a sender's last of its unit."""
+    if self.k_major:
+      return i == self.m_iters - 1
+    return j == share - 1
+
+  def unit_signals(self, unit):
+    """Signals that complete `unit`: one per sender with chunks in it."""
+    if self.k_major:
+      return jnp.minimum(jnp.int32(self.sender_sms),
+                         self.k_iters - unit * self.sender_sms)
+    return send_plan(self.k_iters, self.sender_sms, True)[1]
+
+
 def sender_pipeline(slots: int):
   """(loads ahead, stores in flight, announce lag) of a sender block's copy
   loop over `slots` shared-memory buffers.
