@@ -42,7 +42,10 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(tile_m=64, grid_minor_dim="n"),
            kernels.AllGatherConfig(sender_sms=4),
            kernels.AllGatherConfig(wg_dimension="m", sender_sms=16),
-           kernels.AllGatherConfig(sender_sms=3, k_major_sends=True)]
+           kernels.AllGatherConfig(sender_sms=3, k_major_sends=True),
+           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
+                                   tiles_send_last_groups=1),
+           kernels.AllGatherConfig(eager_release=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

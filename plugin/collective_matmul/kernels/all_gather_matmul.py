@@ -38,36 +38,54 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                  axis_size, config: AllGatherConfig, m_shard, k, n,
                  rows_per_batch, diagnostic_loopback):
   """The shared skeleton (`common.ring_tile_loop`) with the all-gather's
-  hooks: a tile past step 0 waits for its row block, and its pipeline
-  forwards the block's k slices to the next device as it loads them; with
-  `config.sender_sms`, the last blocks forward instead (`_forward_loop`)
-  and the others only multiply."""
+  hooks. Who forwards the shard to the next device:
+
+  * the tiles (no `config.sender_sms`): every n-tile of a row block sends a
+    slice of its k blocks from its pipeline, and a later step's tile waits
+    for its whole row block;
+  * dedicated sender blocks (`_forward_loop`), the others only multiply; by
+    rows, a later step's tile waits for its row block; k-major, its memory
+    warpgroup waits for each k group as it loads it;
+  * k-major senders and the tiles together
+    (`config.tiles_send_last_groups`): the tiles forward the last k groups
+    of their row block first thing in their k loops, the senders the rest.
+  """
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = common.tile_grid(config, axis_size, m_shard, k, n)
   k_iters = grid.k_iters
   ring = axis_size > 1
   sender_sms = config.sender_sms if ring else 0
+  # The tiles forward k blocks [tile_base, k_iters) of their row block.
+  tile_base = 0
   if sender_sms:
-    # Dedicated sender blocks forward the shard (`schedule.SenderPlan`);
-    # the compute tiles send nothing.
-    plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
+    tile_base = max(k_iters - config.tiles_send_last_groups * sender_sms, 0)
+    plan = schedule.SenderPlan(tile_base, grid.m_iters, sender_sms,
                                config.k_major_sends)
-  else:
+  tile_blocks = k_iters - tile_base
+  # Tiles that send wait for their sends' reads in the same k step, so
+  # their pipeline slots are released at once (`eager_release`; always
+  # with senders, whose tiles release at once anyway); else one step late.
+  eager = config.eager_release or bool(sender_sms)
+  if ring and tile_blocks:
     per_sender, num_senders, send_gap = schedule.send_plan(
-        k_iters, grid.n_iters, config.spread_sends, config.send_gap)
+        tile_blocks, grid.n_iters, config.spread_sends or bool(sender_sms),
+        config.send_gap, steps=k_iters)
 
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
     if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
-    peer_scratch = plgpu.remote_ref(scratch_ref, common.peer_id(axis_name,
-                                                                send_to))
-    # arrived[s, u]: senders whose part of unit u (a row block; with
-    # k-major senders a k group) for step s + 1 landed.
-    units = plan.num_units if sender_sms else grid.m_iters
+    peer = common.peer_id(axis_name, send_to)
+    peer_scratch = plgpu.remote_ref(scratch_ref, peer)
+    # arrived[s, i]: tiles whose slice of row block i for step s + 1 landed.
     arrived = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((axis_size - 1, units)))
+        plgpu.SemaphoreType.REGULAR((axis_size - 1, grid.m_iters)))
+    if sender_sms:
+      # sent[s, u]: senders whose part of unit u (a row block, or k-major a
+      # k group) for step s + 1 landed.
+      sent = pl.get_global(plgpu.SemaphoreType.REGULAR(
+          (axis_size - 1, max(plan.num_units, 1))))
   else:
     dev = 0
 
@@ -78,101 +96,116 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         schedule.output_row(m_idx * cta_tile_m, source, axis_size,
                             rows_per_batch), cta_tile_m)
 
+  def k_order(kk, n_idx):
+    """The k block a tile loads at pipeline step kk: its forwarded blocks
+    first (at its send steps), the others in order."""
+    if not (ring and tile_blocks):
+      return kk
+    return schedule.k_block(kk, n_idx, tile_blocks, per_sender, send_gap,
+                            base=tile_base)
+
   def begin_tile(tile: common.Tile) -> common.TileHooks:
     step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
+    first_row = m_idx * cta_tile_m  # Of the tile, in its source shard.
 
-    def first_row():  # Of the tile, in its source shard.
-      return m_idx * cta_tile_m
+    def run(matmul):
+      """Step 0 multiplies the local shard, a later step the slot the
+      previous device filled (`wait_row_block` and `before_load` wait)."""
+      @pl.when(step == 0)
+      def _local():
+        matmul(lhs_local_ref, first_row)
+
+      if ring:
+        @pl.when(step > 0)
+        def _received():
+          wait_row_block()
+          matmul(scratch_ref.at[step - 1], first_row)
 
     if not ring:
-      return common.TileHooks(
-          run=lambda matmul: matmul(lhs_local_ref, first_row()))
-    if sender_sms and plan.k_major:
-      return common.TileHooks(
-          run=functools.partial(run_k_major, step, first_row),
-          before_load=functools.partial(wait_k_group, step))
-    if sender_sms:
-      return common.TileHooks(run=functools.partial(
-          receive_and_run, step, m_idx, first_row,
-          plan.unit_signals(m_idx)))
+      return common.TileHooks(run=run)
+    k_major = sender_sms and plan.k_major
 
-    share = schedule.sender_share(n_idx, k_iters, per_sender)
+    def wait_row_block():
+      """Without k-major senders a later step's tile waits until its whole
+      row block has landed."""
+      if k_major:
+        return
+      if sender_sms:
+        pl.semaphore_wait(sent.at[step - 1, m_idx],
+                          plan.unit_signals(m_idx), decrement=False)
+      else:
+        pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+                          decrement=False)
+
+    def before_load(kk):
+      """K-major: before a later step's tile loads the first block of a
+      senders' k group, or the first of the tiles' blocks, waits for it."""
+      block = k_order(kk, n_idx)
+
+      @pl.when((step > 0) & (block < tile_base)
+               & (lax.rem(block, sender_sms) == 0))
+      def _group():
+        group = lax.div(block, jnp.int32(sender_sms))
+        pl.semaphore_wait(sent.at[step - 1, group],
+                          plan.unit_signals(group), decrement=False)
+
+      if tile_blocks:
+        first_of_tiles = (block >= tile_base) & (
+            (kk == 0) | (k_order(kk - 1, n_idx) < tile_base))
+
+        @pl.when((step > 0) & first_of_tiles)
+        def _tiles():
+          pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+                            decrement=False)
+
+    hooks = dict(run=run, before_load=before_load if k_major else None)
+    if not tile_blocks:
+      return common.TileHooks(**hooks)
+
+    share = schedule.sender_share(n_idx, tile_blocks, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
-    last_send = schedule.last_send_step(n_idx, k_iters, per_sender, send_gap)
+    last_send = schedule.last_send_step(n_idx, tile_blocks, per_sender,
+                                        send_gap)
     # Announce once the last slice has had `send_gap` steps to land.
     signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
     def forward_slices(kk, a_smem):
-      k_block = schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap)
       sender = forwards & (grid.wg_idx == 0)
-      sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
+      sends_now = schedule.is_send_step(kk, n_idx, tile_blocks, per_sender,
                                         send_gap)
-      sent_before = (kk > 0) & schedule.is_send_step(
-          kk - 1, n_idx, k_iters, per_sender, send_gap)
+      if not eager:
+        sent_before = (kk > 0) & schedule.is_send_step(
+            kk - 1, n_idx, tile_blocks, per_sender, send_gap)
 
-      # The slot of step kk - 1 is released when this body returns
-      # (delay_release=1): its send must have finished reading it.
-      @pl.when(sender & sent_before)
-      def _slot_read():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # The slot of step kk - 1 is released when this body returns
+        # (delay_release=1): its send must have finished reading it.
+        @pl.when(sender & sent_before)
+        def _slot_read():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(sender & sends_now)
       def _forward():
         plgpu.copy_smem_to_gmem(
             a_smem,
-            peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
-                            pl.ds(k_block * tile_k, tile_k)])
+            peer_scratch.at[step, pl.ds(first_row, cta_tile_m),
+                            pl.ds(k_order(kk, n_idx) * tile_k, tile_k)])
+        if eager:  # The slot is released when this body returns.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(sender & (kk == signal_at))
       def _announce():
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        pl.semaphore_signal(arrived.at[step, m_idx],
-                            device_id=common.peer_id(axis_name, send_to))
+        pl.semaphore_signal(arrived.at[step, m_idx], device_id=peer)
 
-    return common.TileHooks(
-        run=functools.partial(receive_and_run, step, m_idx, first_row,
-                              num_senders),
-        k_step=forward_slices)
+    return common.TileHooks(k_step=forward_slices, **hooks)
 
-  def receive_and_run(step, m_idx, first_row, signals, matmul):
-    """Step 0 multiplies the local shard; a later step waits until every
-    sender's slice of its row block has landed, then multiplies that."""
-    @pl.when(step == 0)
-    def _local():
-      matmul(lhs_local_ref, first_row())
-
-    @pl.when(step > 0)
-    def _received():
-      pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
-                        decrement=False)
-      matmul(scratch_ref.at[step - 1], first_row())
-
-  def run_k_major(step, first_row, matmul):
-    """As `receive_and_run`, but a later step's tile starts at once: its
-    memory warpgroup waits for each k group (`wait_k_group`)."""
-    @pl.when(step == 0)
-    def _local():
-      matmul(lhs_local_ref, first_row())
-
-    @pl.when(step > 0)
-    def _received():
-      matmul(scratch_ref.at[step - 1], first_row())
-
-  def wait_k_group(step, kk):
-    """Before a later step's tile loads k block kk, the first of a k group,
-    waits until every sender's part of that group has landed."""
-    @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
-    def _wait():
-      group = lax.div(kk, jnp.int32(sender_sms))
-      pl.semaphore_wait(arrived.at[step - 1, group],
-                        plan.unit_signals(group), decrement=False)
-
+  loop = functools.partial(
+      common.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
+      row_block=row_block, begin_tile=begin_tile,
+      delay_release=0 if eager or not ring else 1,
+      k_order=k_order if ring and tile_blocks else None)
   if not sender_sms:
-    common.ring_tile_loop(
-        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
-        begin_tile=begin_tile, delay_release=1,
-        k_order=lambda kk, n_idx: schedule.k_block(kk, n_idx, k_iters,
-                                                   per_sender, send_gap))
+    loop()
     return
 
   compute_blocks = common.num_sms() - sender_sms
@@ -180,14 +213,12 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
 
   @pl.when(block < compute_blocks)
   def _compute():
-    common.ring_tile_loop(
-        grid, lhs_local_ref, rhs_ref, out_ref, row_block=row_block,
-        begin_tile=begin_tile, delay_release=0, num_blocks=compute_blocks)
+    loop(num_blocks=compute_blocks)
 
   @pl.when(block >= compute_blocks)
   def _send():
     _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
-                  peer_scratch, arrived, send_to=send_to,
+                  peer_scratch, sent, send_to=send_to,
                   axis_name=axis_name, axis_size=axis_size, config=config,
                   plan=plan, wg_idx=grid.wg_idx)
 
