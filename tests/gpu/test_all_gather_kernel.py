@@ -37,6 +37,9 @@ CONFIGS = [
                             tiles_send_last_groups=3),
     kernels.AllGatherConfig(eager_release=True),
     kernels.AllGatherConfig(spread_sends=False, eager_release=True),
+    kernels.AllGatherConfig(eager_release=True, chain_tiles=True),
+    kernels.AllGatherConfig(tile_n=64, sender_sms=4, k_major_sends=True,
+                            chain_tiles=True),
 ]
 
 

@@ -60,8 +60,12 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
     (kernels.ReduceScatterConfig(early_announce=False), 1024),
     (kernels.ReduceScatterConfig(spread_sends=False, send_gap=2), 1024),
     (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
-                                 send_pieces=4, send_gap=3), 1024)],
-    ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces"])
+                                 send_pieces=4, send_gap=3), 1024),
+    (kernels.ReduceScatterConfig(chain_tiles=True), 1024),
+    (kernels.ReduceScatterConfig(tile_n=64, send_pieces=4, send_gap=6,
+                                 chain_tiles=True), 4096)],
+    ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces",
+         "chained", "chained_small_tiles"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
   d, m, n = 2, 512, 768
   with jax.set_mesh(_mesh(d)):

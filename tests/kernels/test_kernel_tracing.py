@@ -45,7 +45,10 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(sender_sms=3, k_major_sends=True),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
                                    tiles_send_last_groups=1),
-           kernels.AllGatherConfig(eager_release=True)]
+           kernels.AllGatherConfig(eager_release=True),
+           kernels.AllGatherConfig(eager_release=True, chain_tiles=True),
+           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
+                                   chain_tiles=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
@@ -69,7 +72,8 @@ def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
 RS_CONFIGS = [None, kernels.ReduceScatterConfig(early_announce=False),
               kernels.ReduceScatterConfig(spread_sends=False, send_gap=2),
               kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=4,
-                                          send_gap=3, max_concurrent_steps=3)]
+                                          send_gap=3, max_concurrent_steps=3),
+              kernels.ReduceScatterConfig(chain_tiles=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

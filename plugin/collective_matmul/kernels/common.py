@@ -43,7 +43,7 @@ def swizzled(dtype, cols: int):
 
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
-                    delay_release=1, before_load=None):
+                    delay_release=1, before_load=None, chained=False):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -53,6 +53,14 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   forward passes 0. `before_load(step)` runs in the memory warpgroup just
   before it issues the loads of pipeline step `step` (e.g. to wait until
   that k block has arrived from a peer).
+
+  `chained`: one of a sequence of pipelines on the same allocations (JAX's
+  `PipelinePipeline.STEADY`): the memory warpgroup issues no prologue of
+  its own, it loads each step as soon as the compute warpgroups freed its
+  slot, possibly still in the previous pipeline, and does not wait for
+  the last steps to be consumed. `chain_slots_free` must have freed every
+  slot once before the first. Needs `delay_release=0` and `k_iters` a
+  multiple of `max_concurrent_steps`.
   """
   order = k_order or (lambda kk: kk)
 
@@ -82,7 +90,28 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       num_compute_wgs=2,
       max_concurrent_steps=max_concurrent_steps,
       compute_context=compute_context,
+      pipeline_state=plgpu.PipelinePipeline.STEADY if chained else None,
   )
+
+
+def can_chain(config, k_iters: int, delay_release: int) -> bool:
+  """Whether a tile's pipeline may start loading while the previous tile's
+  finishes (`matmul_pipeline(chained=True)`)."""
+  return (config.chain_tiles and delay_release == 0
+          and k_iters % config.max_concurrent_steps == 0)
+
+
+def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps):
+  """Before the first of chained pipelines: the compute warpgroups free
+  every slot once, as a previous pipeline's last steps would have (its
+  memory warpgroup then loads the first steps as a prologue would)."""
+  # The one consumed barrier of JAX's automatic barrier management.
+  [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
+
+  @pl.when(wg_idx < 2)
+  def _free():
+    for slot in range(max_concurrent_steps):
+      plgpu.barrier_arrive(consumed.at[slot])
 
 
 def kernel_call(body, out_types):
@@ -367,6 +396,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   split_m = config.wg_dimension == "m"
   wg_idx = grid.wg_idx
 
+  chained = can_chain(config, grid.k_iters, delay_release)
+
   def make_pipeline(body, compute_context, n_idx, before_load=None):
     order = None
     if k_order is not None:
@@ -375,7 +406,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
-        delay_release=delay_release, before_load=before_load)
+        delay_release=delay_release, before_load=before_load,
+        chained=chained)
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
@@ -393,6 +425,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
+    if chained:
+      chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
     total = grid.axis_size * grid.m_iters * grid.n_iters
     loop = (plgpu.nd_loop((total,), collective_axes="cluster_grid")
             if num_blocks is None else persistent_loop(total, num_blocks))

@@ -30,6 +30,11 @@ class TileConfig:
     grid_minor_dim, grid_tile_width: order of output tiles within one ring
       step (planar snake, for L2 reuse).
     epi_tile_m, epi_tile_n: epilogue store granularity.
+    chain_tiles: a block's tiles share one pipeline, so the next tile's
+      first k blocks load while this one's last steps and epilogue run
+      (where the pipeline releases slots at once and k_iters is a multiple
+      of `max_concurrent_steps`); False: each tile's pipeline starts with
+      a prologue once the previous one's slots are all consumed.
   """
 
   tile_m: int = 128
@@ -41,6 +46,7 @@ class TileConfig:
   grid_tile_width: int = 8
   epi_tile_m: int = 64
   epi_tile_n: int = 64
+  chain_tiles: bool = False
 
   def __post_init__(self):
     for value, name in ((self.tile_m, "tile_m"), (self.tile_n, "tile_n"),
