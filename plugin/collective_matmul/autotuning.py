@@ -55,7 +55,7 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
 
   All-gather: every tile candidate x send gap x grid width, and every tile
   candidate x grid width with `selection.SENDER_SMS` dedicated sender
-  blocks (send gaps do not apply to those). Reduce-scatter:
+  blocks, by rows and k-major (send gaps do not apply to those). Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
   pieces x send gap; the pacing that wins depends on how many waves a ring
   step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
@@ -67,8 +67,10 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
         for width in (4, 8):
           yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
       for width in (4, 8):
-        yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
-                                  grid_tile_width=width)
+        for k_major in (False, True):
+          yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
+                                    k_major_sends=k_major,
+                                    grid_tile_width=width)
     return
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")

@@ -251,20 +251,36 @@ SENDER_SMS = 4
 # from 4096 to 8192 columns with m >= 4096 rows per shard.
 SENDER_BALANCED_N = (4096, 8192)
 SENDER_BALANCED_MIN_M = 4096
+# K-major senders where a ring step is one wave (D = 2): only from this local
+# n on, where a step's GEMM (2 m k n flops) lasts long enough for the
+# senders' ~90 GB/s to deliver the shard (m k elements) within two steps
+# (measured at n = 4096: benchmarks/kernel_lead/, runs 13-16).
+SENDER_K_MAJOR_MIN_N = 4096
 
 
 def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
                    out_dtype) -> AllGatherConfig | None:
   """The dedicated-sender schedule where it was measured to win, else None.
 
-  One wave per step: when every ring step's tiles of `base` fit in one wave,
-  the remote tiles sit idle until sends paced through the local tiles' k
-  loops deliver their rows. There, `SENDER_SMS` blocks that only send
-  (about 40 GB/s each) and the largest CTA tile (>= 128 rows) whose ring
-  step fills the other SMs once let each SM run its local tile while its
-  remote rows arrive: 512/4096/4096 bf16 on 2 x H200 went from 79-83 to
-  60-63 us (the upstream example 95, NCCL + cuBLAS 79;
-  benchmarks/kernel_lead/).
+  All ring steps in one wave: when every ring step's tiles of `base` fit in
+  one wave, the remote tiles sit idle until sends paced through the local
+  tiles' k loops deliver their rows. There, `SENDER_SMS` blocks that only
+  send (about 25-40 GB/s each) and the largest CTA tile (>= 128 rows)
+  whose ring step fills the other SMs once let each SM run its local tile
+  while its remote rows arrive: 512/4096/4096 bf16 on 2 x H200 went from
+  79-83 to 60-63 us (the upstream example 95, NCCL + cuBLAS 79;
+  benchmarks/kernel_lead/). K-major (`k_major_sends`): a remote tile
+  starts as soon as the first k group is in, 0.3-2.5 us sooner.
+
+  One wave per step (the seed shape, 128 tiles on 132 SMs): the same
+  senders, k-major, with `base`'s tiles on the other SMs: the next step's
+  tiles start at once and the senders need only stay ahead of their k
+  loops. 1024/4096/4096: 98.5-99.6 against 102.9-103.9 us in four runs
+  (bf16; f16 101.7 against 106.2). By rows they lost (120 us): the last
+  row block arrived long after its tiles could have started. Only from
+  `SENDER_K_MAJOR_MIN_N` on: the transfer's time against a step's is a
+  ratio of n alone, and at 2048/4096/4096 (two waves per step) k-major
+  senders lost too (196-199 against 188-189 us).
 
   Balanced, several waves per step: a ring step's GEMM (2 m k n flops)
   against the senders' transfer of the shard (m k elements) is a ratio of
@@ -284,7 +300,13 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
     tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
                              num_sms - SENDER_SMS)
     return tiles and fit_shared_memory(
-        dataclasses.replace(tiles, sender_sms=SENDER_SMS), dtype, out_dtype)
+        dataclasses.replace(tiles, sender_sms=SENDER_SMS,
+                            k_major_sends=True), dtype, out_dtype)
+  if (axis_size == 2 and n >= SENDER_K_MAJOR_MIN_N
+      and _tiles_per_step(base, m, n) <= num_sms - SENDER_SMS):
+    return fit_shared_memory(
+        dataclasses.replace(base, sender_sms=SENDER_SMS, k_major_sends=True),
+        dtype, out_dtype)
   low, high = SENDER_BALANCED_N
   if axis_size == 2 and low <= n <= high and m >= SENDER_BALANCED_MIN_M:
     return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),

@@ -234,7 +234,8 @@ def test_all_gather_candidates_cover_the_chosen_tiles_with_and_without_senders(
   assert len(set(candidates)) == len(candidates)
   assert {c.sender_sms for c in candidates} == {0, selection.SENDER_SMS}
   chosen = selection.select_config(*shape, "bfloat16", 2)
-  tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.sender_sms)
+  tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.sender_sms,
+                     c.k_major_sends)
   assert tiles(chosen) in {tiles(c) for c in candidates}
 
 
@@ -331,8 +332,14 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
     (512, 4096, 4096, 2, 4, (128, 128)),
     # A wider n: several waves per step, today's schedule.
     (512, 4096, 11008, 2, 0, (128, 256)),
-    # Two waves per step (the seed shape: senders lost, 120 vs 104 us).
-    (1024, 4096, 4096, 2, 0, (128, 256)),
+    # One wave per step (the seed shape): k-major senders (99 against
+    # 103-104 us; by rows they lost, 120 us) ...
+    (1024, 4096, 4096, 2, 4, (128, 256)),
+    (512, 4096, 8192, 2, 4, (128, 256)),
+    # ... not where n is too small for the senders to keep up, nor at two
+    # waves per step (k-major lost there: 196-199 against 188-189 us).
+    (2048, 4096, 2048, 2, 0, (128, 256)),
+    (2048, 4096, 4096, 2, 0, (128, 256)),
     # D = 4 is not measured: today's schedule.
     (512, 4096, 4096, 4, 0, (128, 256)),
     # The heuristic's tiles already give as many tiles per step as 128-row
@@ -360,6 +367,9 @@ def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   config = selection.select_config(m, k, n, "bfloat16", d)
   assert config.sender_sms == senders
   assert (config.cta_tile_m, config.cta_tile_n) == cta
+  # K-major where a ring step is one wave; by rows over several waves.
+  one_wave = selection._tiles_per_step(config, m, n) <= 132 - senders
+  assert config.k_major_sends == (senders > 0 and one_wave)
 
 
 def test_dedicated_senders_make_the_small_shape_worth_overlapping():
