@@ -238,8 +238,43 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   if tuned:
     return tuned.config
   base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
-  return _sender_config(base, m, n, dtype, axis_size, num_sms,
-                        out_dtype) or base
+  config = _sender_config(base, m, n, dtype, axis_size, num_sms,
+                          out_dtype) or base
+  return _chained(config, k, n, axis_size)
+
+
+# Where the tiles' sends are released in their own k step so that a block's
+# tiles can share one pipeline (`eager_release`, `chain_tiles`): local n up
+# to this, at D = 2 (benchmarks/kernel_lead/, runs 16-18).
+CHAIN_EAGER_MAX_N = 4096
+
+
+def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
+  """`config` with a block's tiles on one pipeline (`chain_tiles`) where
+  that was measured to win (D = 2, 2 x H200), so the next tile's first k
+  blocks load during this one's last steps and epilogue:
+
+  * with the balanced dedicated senders (by rows, several waves per step):
+    1005.3 against 1012.4 us at 8192/4096/5504, 1090.8-1092.9 against
+    1103.7-1104.5 at 8192/4096/6144 (every round of each run faster);
+  * with the tiles' own sends, released in their k step
+    (`eager_release`), up to `CHAIN_EAGER_MAX_N` columns: 388.5-390.3
+    against 393.3-394.0 us at 8192/4096/2048 in three runs, 187.6 against
+    189.0 at 2048/4096/4096. At n = 11008 the eager release cost more
+    than the chaining saved (1990.8 against 1959.0 us).
+
+  Not with k-major senders (one wave per step: each SM runs one tile per
+  ring step, and the seed shape was 1 us slower chained). Only where the
+  pipeline's steps are a multiple of its depth (`kernels.common.can_chain`).
+  """
+  k_iters = (k + padding(config, 0, k, 0).k) // config.tile_k
+  if axis_size != 2 or k_iters % config.max_concurrent_steps:
+    return config
+  if config.sender_sms and not config.k_major_sends:
+    return dataclasses.replace(config, chain_tiles=True)
+  if not config.sender_sms and n <= CHAIN_EAGER_MAX_N:
+    return dataclasses.replace(config, eager_release=True, chain_tiles=True)
+  return config
 
 
 # Sender blocks of the dedicated-sender schedule (`AllGatherConfig.sender_sms`).

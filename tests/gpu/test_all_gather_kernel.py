@@ -31,10 +31,6 @@ CONFIGS = [
     kernels.AllGatherConfig(sender_sms=4, k_major_sends=True),
     kernels.AllGatherConfig(tile_m=128, tile_n=128, wg_dimension="m",
                             sender_sms=3, k_major_sends=True),
-    kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
-                            tiles_send_last_groups=2),
-    kernels.AllGatherConfig(tile_n=64, sender_sms=3, k_major_sends=True,
-                            tiles_send_last_groups=3),
     kernels.AllGatherConfig(eager_release=True),
     kernels.AllGatherConfig(spread_sends=False, eager_release=True),
     kernels.AllGatherConfig(eager_release=True, chain_tiles=True),
@@ -81,17 +77,15 @@ def test_kernel_matches_f32_reference_and_ring(d, m, k, n, dtype):
 @pytest.mark.parametrize("m,k,n", [(1024, 4096, 4096), (1000, 1024, 512),
                                    (256, 512, 384)])
 @pytest.mark.parametrize("sender_sms", [1, 4, 16])
-@pytest.mark.parametrize("order", ["rows", "k_major", "k_major_tiles_last"])
-def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms, order):
-  """Dedicated sender blocks (16 on k=512: half of them have no k block;
-  with the tiles sending the last group, none), by rows or k-major, or
-  k-major with the tiles forwarding the last k group, against the f32
-  reference, with the gathered shards they delivered."""
+@pytest.mark.parametrize("k_major", [False, True])
+def test_sender_blocks_deliver_every_shard(d, m, k, n, sender_sms, k_major):
+  """Dedicated sender blocks (16 on k=512: half of them have no k block),
+  by rows or k-major, against the f32 reference, with the gathered shards
+  they delivered."""
   if d > HOPPER_COUNT:
     pytest.skip(f"needs {d} GPUs")
-  config = kernels.AllGatherConfig(
-      sender_sms=sender_sms, k_major_sends=order != "rows",
-      tiles_send_last_groups=int(order == "k_major_tiles_last"))
+  config = kernels.AllGatherConfig(sender_sms=sender_sms,
+                                   k_major_sends=k_major)
   key = jax.random.key(m + n + d + sender_sms)
   with jax.set_mesh(_mesh(d)):
     a = jax.sharding.reshard(

@@ -188,41 +188,6 @@ def test_source_device_visits_every_shard_once():
     np.testing.assert_array_equal(seen[0], np.arange(axis_size))
 
 
-@pytest.mark.parametrize("k_iters,tail,n_iters,gap", [
-    (64, 16, 16, 12), (64, 4, 16, 12), (64, 16, 32, 12), (10, 6, 4, 3),
-    (8, 8, 2, 12)])
-def test_tiles_forward_the_last_blocks_from_their_pipelines(
-    k_iters, tail, n_iters, gap):
-  """With k-major senders the tiles forward the last `tail` k blocks of
-  their row block (`tiles_send_last_groups`): every tile's pipeline still
-  visits all of k once, and the blocks loaded at its send steps are
-  exactly its slice of the tail, the slices covering the tail once."""
-  base = k_iters - tail
-  per, senders, gap = schedule.send_plan(tail, n_iters, True, gap,
-                                         steps=k_iters)
-  assert (per - 1) * gap < k_iters
-  sent = []
-  for n_idx in range(n_iters):
-    order = [int(schedule.k_block(jnp.int32(kk), jnp.int32(n_idx), tail,
-                                  per, gap, base=base))
-             for kk in range(k_iters)]
-    assert sorted(order) == list(range(k_iters))
-    mine = [order[kk] for kk in range(k_iters)
-            if bool(schedule.is_send_step(jnp.int32(kk), jnp.int32(n_idx),
-                                          tail, per, gap))]
-    share = int(schedule.sender_share(jnp.int32(n_idx), tail, per))
-    assert mine == list(range(base + n_idx * per,
-                              base + n_idx * per + share))
-    # The blocks it does not send stay in increasing order.
-    rest = [b for b in order if b not in mine]
-    assert rest == sorted(rest)
-    sent += mine
-  assert sorted(sent) == list(range(base, k_iters))
-  assert senders == sum(
-      int(schedule.sender_share(jnp.int32(j), tail, per)) > 0
-      for j in range(n_iters))
-
-
 @pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize("k_iters,sender_sms", [(64, 4), (64, 3), (8, 16),
                                                  (1, 4), (16, 1), (10, 4)])
@@ -329,10 +294,6 @@ def test_k_major_sends_need_sender_blocks():
   with pytest.raises(ValueError, match="k_major_sends=True needs sender_sms"):
     Config(k_major_sends=True)
   assert Config(sender_sms=4, k_major_sends=True).k_major_sends
-  with pytest.raises(ValueError, match="tiles_send_last_groups=2 must be"):
-    Config(sender_sms=4, tiles_send_last_groups=2)
-  with pytest.raises(ValueError, match="tiles_send_last_groups=-1 must be"):
-    Config(sender_sms=4, k_major_sends=True, tiles_send_last_groups=-1)
 
 
 def test_kernel_config_epilogue_must_divide_tile():

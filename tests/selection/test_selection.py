@@ -372,6 +372,29 @@ def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   assert config.k_major_sends == (senders > 0 and one_wave)
 
 
+@pytest.mark.parametrize("m,k,n,d,eager,chained", [
+    # Balanced dedicated senders (by rows): chained.
+    (8192, 4096, 6144, 2, False, True),
+    (8192, 4096, 5504, 2, False, True),
+    # The tiles' own sends up to n = 4096: released eagerly, chained.
+    (8192, 4096, 2048, 2, True, True),
+    (2048, 4096, 4096, 2, True, True),
+    # Not above (n = 11008: the eager release cost more), not with
+    # k-major senders (one wave per step), not at D = 4 (unmeasured), and
+    # not where the pipeline's steps are no multiple of its depth.
+    (8192, 4096, 11008, 2, False, False),
+    (1024, 4096, 4096, 2, False, False),
+    (8192, 4096, 2048, 4, False, False),
+    (8192, 4160, 2048, 2, False, False),
+])
+def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
+  config = selection.select_config(m, k, n, "bfloat16", d)
+  assert (config.eager_release, config.chain_tiles) == (eager, chained)
+  if chained:
+    k_iters = -(-k // config.tile_k)
+    assert k_iters % config.max_concurrent_steps == 0
+
+
 def test_dedicated_senders_make_the_small_shape_worth_overlapping():
   assert selection.too_small_reason(512, 4096, 4096, "bfloat16", 2) is None
   assert "output tiles per ring step" in selection.too_small_reason(

@@ -45,10 +45,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     for its whole row block;
   * dedicated sender blocks (`_forward_loop`), the others only multiply; by
     rows, a later step's tile waits for its row block; k-major, its memory
-    warpgroup waits for each k group as it loads it;
-  * k-major senders and the tiles together
-    (`config.tiles_send_last_groups`): the tiles forward the last k groups
-    of their row block first thing in their k loops, the senders the rest.
+    warpgroup waits for each k group as it loads it.
   """
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
@@ -56,21 +53,18 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   k_iters = grid.k_iters
   ring = axis_size > 1
   sender_sms = config.sender_sms if ring else 0
-  # The tiles forward k blocks [tile_base, k_iters) of their row block.
-  tile_base = 0
+  # Whether the compute tiles forward the shard from their pipelines.
+  tiles_send = ring and not sender_sms
   if sender_sms:
-    tile_base = max(k_iters - config.tiles_send_last_groups * sender_sms, 0)
-    plan = schedule.SenderPlan(tile_base, grid.m_iters, sender_sms,
+    plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
                                config.k_major_sends)
-  tile_blocks = k_iters - tile_base
-  # Tiles that send wait for their sends' reads in the same k step, so
-  # their pipeline slots are released at once (`eager_release`; always
-  # with senders, whose tiles release at once anyway); else one step late.
-  eager = config.eager_release or bool(sender_sms)
-  if ring and tile_blocks:
+  if tiles_send:
     per_sender, num_senders, send_gap = schedule.send_plan(
-        tile_blocks, grid.n_iters, config.spread_sends or bool(sender_sms),
-        config.send_gap, steps=k_iters)
+        k_iters, grid.n_iters, config.spread_sends, config.send_gap)
+  # A tile's pipeline slots are released at once where it forwards nothing
+  # from them, or waits for its sends' reads in the same k step
+  # (`eager_release`); else one step late.
+  eager = config.eager_release or not tiles_send
 
   if ring:
     dev, send_to = common.ring_neighbours(axis_name, axis_size)
@@ -78,14 +72,12 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       send_to = dev
     peer = common.peer_id(axis_name, send_to)
     peer_scratch = plgpu.remote_ref(scratch_ref, peer)
-    # arrived[s, i]: tiles whose slice of row block i for step s + 1 landed.
+    # arrived[s, u]: the tiles (senders) whose part of unit u for step
+    # s + 1 landed; a unit is a row block, or with k-major senders a k
+    # group.
+    units = plan.num_units if sender_sms else grid.m_iters
     arrived = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((axis_size - 1, grid.m_iters)))
-    if sender_sms:
-      # sent[s, u]: senders whose part of unit u (a row block, or k-major a
-      # k group) for step s + 1 landed.
-      sent = pl.get_global(plgpu.SemaphoreType.REGULAR(
-          (axis_size - 1, max(plan.num_units, 1))))
+        plgpu.SemaphoreType.REGULAR((axis_size - 1, units)))
   else:
     dev = 0
 
@@ -99,10 +91,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   def k_order(kk, n_idx):
     """The k block a tile loads at pipeline step kk: its forwarded blocks
     first (at its send steps), the others in order."""
-    if not (ring and tile_blocks):
-      return kk
-    return schedule.k_block(kk, n_idx, tile_blocks, per_sender, send_gap,
-                            base=tile_base)
+    return schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap)
 
   def begin_tile(tile: common.Tile) -> common.TileHooks:
     step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
@@ -128,54 +117,37 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     def wait_row_block():
       """Without k-major senders a later step's tile waits until its whole
       row block has landed."""
-      if k_major:
-        return
-      if sender_sms:
-        pl.semaphore_wait(sent.at[step - 1, m_idx],
-                          plan.unit_signals(m_idx), decrement=False)
-      else:
-        pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
+      if not k_major:
+        signals = plan.unit_signals(m_idx) if sender_sms else num_senders
+        pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
                           decrement=False)
 
-    def before_load(kk):
-      """K-major: before a later step's tile loads the first block of a
-      senders' k group, or the first of the tiles' blocks, waits for it."""
-      block = k_order(kk, n_idx)
-
-      @pl.when((step > 0) & (block < tile_base)
-               & (lax.rem(block, sender_sms) == 0))
-      def _group():
-        group = lax.div(block, jnp.int32(sender_sms))
-        pl.semaphore_wait(sent.at[step - 1, group],
+    def wait_k_group(kk):
+      """K-major: before a later step's tile loads k block kk, the first of
+      a k group, waits until every sender's part of that group landed."""
+      @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
+      def _wait():
+        group = lax.div(kk, jnp.int32(sender_sms))
+        pl.semaphore_wait(arrived.at[step - 1, group],
                           plan.unit_signals(group), decrement=False)
 
-      if tile_blocks:
-        first_of_tiles = (block >= tile_base) & (
-            (kk == 0) | (k_order(kk - 1, n_idx) < tile_base))
+    if not tiles_send:
+      return common.TileHooks(run=run,
+                              before_load=wait_k_group if k_major else None)
 
-        @pl.when((step > 0) & first_of_tiles)
-        def _tiles():
-          pl.semaphore_wait(arrived.at[step - 1, m_idx], num_senders,
-                            decrement=False)
-
-    hooks = dict(run=run, before_load=before_load if k_major else None)
-    if not tile_blocks:
-      return common.TileHooks(**hooks)
-
-    share = schedule.sender_share(n_idx, tile_blocks, per_sender)
+    share = schedule.sender_share(n_idx, k_iters, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
-    last_send = schedule.last_send_step(n_idx, tile_blocks, per_sender,
-                                        send_gap)
+    last_send = schedule.last_send_step(n_idx, k_iters, per_sender, send_gap)
     # Announce once the last slice has had `send_gap` steps to land.
     signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
     def forward_slices(kk, a_smem):
       sender = forwards & (grid.wg_idx == 0)
-      sends_now = schedule.is_send_step(kk, n_idx, tile_blocks, per_sender,
+      sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
                                         send_gap)
       if not eager:
         sent_before = (kk > 0) & schedule.is_send_step(
-            kk - 1, n_idx, tile_blocks, per_sender, send_gap)
+            kk - 1, n_idx, k_iters, per_sender, send_gap)
 
         # The slot of step kk - 1 is released when this body returns
         # (delay_release=1): its send must have finished reading it.
@@ -197,13 +169,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         pl.semaphore_signal(arrived.at[step, m_idx], device_id=peer)
 
-    return common.TileHooks(k_step=forward_slices, **hooks)
+    return common.TileHooks(run=run, k_step=forward_slices)
 
   loop = functools.partial(
       common.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
       row_block=row_block, begin_tile=begin_tile,
-      delay_release=0 if eager or not ring else 1,
-      k_order=k_order if ring and tile_blocks else None)
+      delay_release=0 if eager else 1,
+      k_order=k_order if tiles_send else None)
   if not sender_sms:
     loop()
     return
@@ -218,7 +190,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   @pl.when(block >= compute_blocks)
   def _send():
     _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
-                  peer_scratch, sent, send_to=send_to,
+                  peer_scratch, arrived, send_to=send_to,
                   axis_name=axis_name, axis_size=axis_size, config=config,
                   plan=plan, wg_idx=grid.wg_idx)
 

@@ -126,24 +126,18 @@ class AllGatherConfig(TileConfig):
       first groups are in, and the transfer only has to stay ahead of
       their k loops. False: row block by row block, each sender a
       contiguous slice of k.
-    tiles_send_last_groups: with `k_major_sends`, the last this many k
-      groups are forwarded by the compute tiles instead (each n-tile of a
-      row block a slice, first thing in its k loop, as `spread_sends`):
-      they land early in the step, and the senders, whose rate per SM is
-      limited, carry less and are done sooner.
     eager_release: a tile that forwards a k block waits for its send to
       have read the pipeline slot in the same k step (behind that step's
       wgmma), so slots are released at once and the pipeline prefetches
-      `max_concurrent_steps` deep; False: the slot is released one step
-      late (one stage less prefetch). Always so for the tiles' sends
-      next to dedicated senders.
+      `max_concurrent_steps` deep, and the tiles' pipelines can be chained
+      (`chain_tiles`); False: the slot is released one step late (one
+      stage less prefetch).
   """
 
   spread_sends: bool = True
   send_gap: int = 12
   sender_sms: int = 0
   k_major_sends: bool = False
-  tiles_send_last_groups: int = 0
   eager_release: bool = False
 
   def __post_init__(self):
@@ -151,11 +145,6 @@ class AllGatherConfig(TileConfig):
     _check_send_gap(self.send_gap)
     if self.sender_sms < 0:
       raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
-    if self.tiles_send_last_groups < 0 or (self.tiles_send_last_groups
-                                           and not self.k_major_sends):
-      raise ValueError(
-          f"tiles_send_last_groups={self.tiles_send_last_groups} must be 0, "
-          "or > 0 with k_major_sends")
     if self.k_major_sends and not self.sender_sms:
       raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
                        "the dedicated senders' copies)")

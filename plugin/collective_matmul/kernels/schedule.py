@@ -54,11 +54,8 @@ def tile_coordinates(linear, m_iters, n_iters):
 # ------------------------------------------------- all-gather kernel: sends
 
 
-def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1,
-              steps: int | None = None):
-  """(k blocks per sender, number of senders, steps between sends) for
-  `k_iters` forwarded k blocks of a row block, in pipelines of `steps`
-  steps (default `k_iters`).
+def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
+  """(k blocks per sender, number of senders, steps between sends).
 
   With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
   block is on its way after `per` pipeline steps instead of `k_iters`.
@@ -66,10 +63,9 @@ def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1,
   """
   if not spread:
     return k_iters, 1, 1
-  steps = k_iters if steps is None else steps
   per = math.ceil(k_iters / n_iters)
-  # Every send must fall inside the pipeline: (per - 1) * gap < steps.
-  gap = max(1, min(gap, (steps - 1) // max(per - 1, 1)))
+  # Every send must fall inside the pipeline: (per - 1) * gap < k_iters.
+  gap = max(1, min(gap, (k_iters - 1) // max(per - 1, 1)))
   return per, math.ceil(k_iters / per), gap
 
 
@@ -89,17 +85,16 @@ def is_send_step(kk, n_idx, k_iters: int, per: int, gap: int):
   return (lax.rem(kk, gap) == 0) & (lax.div(kk, gap) < share)
 
 
-def k_block(kk, n_idx, k_iters: int, per: int, gap: int, base: int = 0):
+def k_block(kk, n_idx, k_iters: int, per: int, gap: int):
   """The k block a tile's pipeline loads at step `kk`: a permutation of k.
 
-  The tiles forward `k_iters` blocks from `base` on (all of k by default):
-  n-tile `n_idx` the `share` blocks starting at `base + n_idx * per`; they
+  N-tile `n_idx` forwards the `share` blocks starting at `n_idx * per`; they
   are placed at its send steps 0, gap, 2 * gap, ... (`is_send_step`, so the
   sends are paced and the tile's own slice of the row block leaves early);
   the other blocks fill the remaining steps in increasing order.
   """
   share = sender_share(n_idx, k_iters, per)
-  start = base + n_idx * per
+  start = n_idx * per
   in_share = is_send_step(kk, n_idx, k_iters, per, gap)
   shares_so_far = jnp.minimum(lax.div(kk, gap) + 1, share)
   other = kk - shares_so_far
