@@ -15,7 +15,10 @@ arrival. Compared with the seed's design:
   its slice has landed, so the next step's data arrives early;
 * or (`AllGatherConfig.sender_sms`) a few blocks only forward, with a copy
   loop of their own, while the others only multiply: where a ring step's
-  tiles leave SMs idle anyway (`selection` picks it for such shapes).
+  tiles leave SMs idle anyway (`selection` picks it for such shapes);
+  k-major (`k_major_sends`), the senders deliver one k group at a time
+  across all row blocks and a later step's tile waits for each group as
+  its pipeline loads it, so it starts as soon as the first group is in.
 
 Only plain peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 """
