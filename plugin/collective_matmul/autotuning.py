@@ -55,7 +55,9 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
 
   All-gather: every tile candidate x send gap x grid width, and every tile
   candidate x grid width with `selection.SENDER_SMS` dedicated sender
-  blocks, by rows and k-major (send gaps do not apply to those). Reduce-scatter:
+  blocks, by rows and k-major (send gaps do not apply to those); chained
+  tiles (`chain_tiles`) with the senders by rows and, released eagerly,
+  with each send gap, as `selection` takes them where measured. Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
   pieces x send gap; the pacing that wins depends on how many waves a ring
   step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
@@ -66,10 +68,12 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
       for gap in (8, 12, 16):
         for width in (4, 8):
           yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
+        yield dataclasses.replace(base, send_gap=gap, eager_release=True,
+                                  chain_tiles=True)
       for width in (4, 8):
-        for k_major in (False, True):
+        for k_major, chain in ((False, False), (False, True), (True, False)):
           yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
-                                    k_major_sends=k_major,
+                                    k_major_sends=k_major, chain_tiles=chain,
                                     grid_tile_width=width)
     return
   if None in (m, k, n):

@@ -226,7 +226,8 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
                 chosen.epi_tile_n, chosen.max_concurrent_steps)}
 
 
-@pytest.mark.parametrize("shape", [(512, 4096, 4096), (1024, 4096, 4096)])
+@pytest.mark.parametrize("shape", [(512, 4096, 4096), (1024, 4096, 4096),
+                                   (8192, 4096, 2048), (8192, 4096, 6144)])
 def test_all_gather_candidates_cover_the_chosen_tiles_with_and_without_senders(
     shape):
   from collective_matmul import autotuning
@@ -235,7 +236,7 @@ def test_all_gather_candidates_cover_the_chosen_tiles_with_and_without_senders(
   assert {c.sender_sms for c in candidates} == {0, selection.SENDER_SMS}
   chosen = selection.select_config(*shape, "bfloat16", 2)
   tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.sender_sms,
-                     c.k_major_sends)
+                     c.k_major_sends, c.eager_release, c.chain_tiles)
   assert tiles(chosen) in {tiles(c) for c in candidates}
 
 
