@@ -46,7 +46,11 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(eager_release=True),
            kernels.AllGatherConfig(eager_release=True, chain_tiles=True),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
-                                   chain_tiles=True)]
+                                   chain_tiles=True),
+           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
+                                   sender_row_parts=4, sender_announce_lag=0),
+           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
+                                   sender_row_parts=2, sender_announce_lag=3)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

@@ -60,7 +60,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   tiles_send = ring and not sender_sms
   if sender_sms:
     plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
-                               config.k_major_sends)
+                               config.k_major_sends, config.sender_row_parts)
   if tiles_send:
     per_sender, num_senders, send_gap = schedule.send_plan(
         k_iters, grid.n_iters, config.spread_sends, config.send_gap)
@@ -128,9 +128,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     def wait_k_group(kk):
       """K-major: before a later step's tile loads k block kk, the first of
       a k group, waits until every sender's part of that group landed."""
-      @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
+      @pl.when((step > 0) & (lax.rem(kk, plan.group) == 0))
       def _wait():
-        group = lax.div(kk, jnp.int32(sender_sms))
+        group = lax.div(kk, jnp.int32(plan.group))
         pl.semaphore_wait(arrived.at[step - 1, group],
                           plan.unit_signals(group), decrement=False)
 
@@ -211,13 +211,13 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
-  ahead, in_flight, lag = schedule.sender_pipeline(slots)
-  share = plan.share(sender)
-  num_chunks = (axis_size - 1) * plan.m_iters * share
+  ahead, in_flight, lag = schedule.sender_pipeline(
+      slots, config.sender_announce_lag)
+  num_chunks = (axis_size - 1) * plan.chunks_per_step(sender)
   peer = common.peer_id(axis_name, send_to)
 
   def chunk(c):
-    step, i, j = plan.chunk(c, share)
+    step, i, j = plan.chunk(c, sender)
     return step, i, j, pl.ds(i * cta_tile_m, cta_tile_m), pl.ds(
         plan.k_block(sender, j) * tile_k, tile_k)
 
@@ -242,7 +242,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 
         @pl.when(step > 0)
         def _received():
-          @pl.when(plan.opens_unit(i, j))
+          @pl.when(plan.opens_unit(sender, i, j))
           def _wait():  # Each unit of a later step once.
             unit = plan.unit(i, j)
             pl.semaphore_wait(arrived.at[step - 1, unit],
@@ -250,13 +250,8 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
           plgpu.copy_gmem_to_smem(scratch_ref.at[step - 1, rows, cols],
                                   buf.at[slot], loaded.at[slot])
 
-      def announce_if_last(c):
-        step, i, j, _, _ = chunk(c)
-
-        @pl.when(plan.closes_unit(i, j, share))
-        def _announce():
-          pl.semaphore_signal(arrived.at[step, plan.unit(i, j)],
-                              device_id=peer)
+      def announce(step, i, j):
+        pl.semaphore_signal(arrived.at[step, plan.unit(i, j)], device_id=peer)
 
       for c in range(ahead):  # The prologue: the first loads.
         pl.when(c < num_chunks)(functools.partial(load, c))
@@ -273,12 +268,12 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
         # (and so every older one) has landed.
         @pl.when(c >= lag)
         def _landed():
-          _, i, j, _, _ = chunk(c - lag)
+          old_step, i, j, _, _ = chunk(c - lag)
 
-          @pl.when(plan.closes_unit(i, j, share))
+          @pl.when(plan.closes_unit(sender, i, j))
           def _closes():
             plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
-            announce_if_last(c - lag)
+            announce(old_step, i, j)
 
         # Chunk c + ahead goes where chunk c - in_flight was: once that
         # store has read it (at most `in_flight` newer stores pending).
@@ -292,7 +287,9 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 
       @pl.loop(jnp.maximum(num_chunks - lag, 0), num_chunks)
       def _tail(c):
-        announce_if_last(c)
+        step, i, j, _, _ = chunk(c)
+        pl.when(plan.closes_unit(sender, i, j))(
+            functools.partial(announce, step, i, j))
 
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
