@@ -48,9 +48,8 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
                                    chain_tiles=True),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
-                                   sender_row_parts=4, sender_announce_lag=0),
-           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
-                                   sender_row_parts=2, sender_announce_lag=3)]
+                                   sender_announce_lag=3),
+           kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

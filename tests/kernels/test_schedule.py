@@ -188,22 +188,18 @@ def test_source_device_visits_every_shard_once():
     np.testing.assert_array_equal(seen[0], np.arange(axis_size))
 
 
-@pytest.mark.parametrize("k_major,row_parts", [(False, 1), (True, 1),
-                                                (True, 2), (True, 4)])
-@pytest.mark.parametrize("k_iters,sender_sms", [(64, 4), (64, 8), (8, 16),
-                                                 (1, 4), (16, 4), (10, 4)])
+@pytest.mark.parametrize("k_major", [False, True])
+@pytest.mark.parametrize("k_iters,sender_sms", [(64, 4), (64, 3), (8, 16),
+                                                 (1, 4), (16, 1), (10, 4)])
 @pytest.mark.parametrize("m_iters,axis_size", [(8, 2), (3, 4), (1, 2)])
 def test_sender_blocks_forward_every_chunk_once_and_announce_every_unit(
-    k_iters, sender_sms, m_iters, axis_size, k_major, row_parts):
+    k_iters, sender_sms, m_iters, axis_size, k_major):
   """The sender blocks' copy loops together forward every (ring step, row
   block, k block) exactly once, steps in order. By rows each goes row block
-  by row block; k-major, k group by k group, each sender its part of the
-  rows. Every arrival unit is opened and closed once per sender with
-  chunks in it, in the order the units are waited for, and gets exactly
-  the signals it waits for."""
-  plan = schedule.SenderPlan(k_iters, m_iters, sender_sms, k_major,
-                             row_parts)
-  group = sender_sms // row_parts
+  by row block; k-major, k group by k group. Every arrival unit is opened
+  and closed once per sender with chunks in it, in the order the units
+  are waited for, and gets exactly the signals it waits for."""
+  plan = schedule.SenderPlan(k_iters, m_iters, sender_sms, k_major)
   seen = []
   signals = collections.Counter()
   for sender in map(jnp.int32, range(sender_sms)):
@@ -213,8 +209,8 @@ def test_sender_blocks_forward_every_chunk_once_and_announce_every_unit(
       assert 0 <= j < int(plan.share(sender)) and 0 <= i < m_iters
       kb = int(plan.k_block(sender, jnp.int32(j)))
       unit = int(plan.unit(i, j))
-      # A k-major unit is a k group: blocks [unit * G, (unit + 1) * G).
-      assert unit == (kb // group if k_major else i)
+      # A k-major unit is a k group: blocks [unit * S, (unit + 1) * S).
+      assert unit == (kb // sender_sms if k_major else i)
       seen.append((step, i, kb))
       order.append((step, unit))
       if bool(plan.opens_unit(sender, i, j)):
@@ -226,39 +222,36 @@ def test_sender_blocks_forward_every_chunk_once_and_announce_every_unit(
     assert len(opened) == len(set(opened))
   assert sorted(seen) == [(s, i, kb) for s in range(axis_size - 1)
                           for i in range(m_iters) for kb in range(k_iters)]
-  units = {(step, kb // group if k_major else i) for step, i, kb in seen}
+  units = {(step, kb // sender_sms if k_major else i)
+           for step, i, kb in seen}
   assert set(signals) == units
   assert plan.num_units == 1 + max(u for _, u in units)
   for (_, unit), count in signals.items():
     assert count == int(plan.unit_signals(jnp.int32(unit)))
 
 
-@pytest.mark.parametrize("row_parts,groups", [
-    (1, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),
-    (2, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]),
-    (4, [[b] for b in range(10)])])
-def test_k_major_groups_are_the_pipelines_k_order(row_parts, groups):
-  """A k-major tile waits for group kk // G at pipeline steps kk that are
-  multiples of G, loading k blocks in order: so group g must be exactly k
-  blocks [g * G, (g + 1) * G), with every row block in it."""
-  k_iters, sender_sms, m_iters = 10, 4, 4
-  plan = schedule.SenderPlan(k_iters, m_iters, sender_sms, True, row_parts)
-  assert plan.group == sender_sms // row_parts
-  found = collections.defaultdict(set)
-  for sender in map(jnp.int32, range(sender_sms)):
-    for c in range(int(plan.chunks_per_step(sender))):
-      _, i, j = (int(v) for v in plan.chunk(jnp.int32(c), sender))
-      found[j].add((i, int(plan.k_block(sender, jnp.int32(j)))))
-  assert [sorted(found[g]) for g in sorted(found)] == [
-      sorted((i, b) for i in range(m_iters) for b in group)
-      for group in groups]
+def test_k_major_groups_are_the_pipelines_k_order():
+  """A k-major tile waits for group kk // S at pipeline steps kk that are
+  multiples of S, loading k blocks in order: so group g must be exactly k
+  blocks [g * S, (g + 1) * S)."""
+  k_iters, sender_sms = 10, 4
+  plan = schedule.SenderPlan(k_iters, 2, sender_sms, True)
+  groups = collections.defaultdict(set)
+  for sender in range(sender_sms):
+    for j in range(int(plan.share(jnp.int32(sender)))):
+      groups[j].add(int(plan.k_block(jnp.int32(sender), jnp.int32(j))))
+  assert [sorted(groups[g]) for g in sorted(groups)] == [
+      [0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
-def test_sender_plan_rejects_row_parts_it_cannot_split():
-  with pytest.raises(ValueError, match="row_parts=3"):
-    schedule.SenderPlan(8, 8, 4, True, 3)
-  with pytest.raises(ValueError, match="row_parts=2"):
-    schedule.SenderPlan(8, 8, 4, False, 2)
+@pytest.mark.parametrize("k_major,expected", [(True, 0), (False, 16)])
+def test_sender_announce_lag(k_major, expected):
+  """K-major units are announced as soon as their stores landed; by rows
+  twice the stores in flight late (so announcing drains none); a config's
+  lag overrides both."""
+  plan = schedule.SenderPlan(64, 8, 4, k_major)
+  assert plan.announce_lag(8, None) == expected
+  assert plan.announce_lag(8, 3) == 3
 
 
 @pytest.mark.parametrize("slots", [2, 3, 7, 12])
@@ -268,10 +261,8 @@ def test_sender_pipeline_never_loads_over_an_unread_store(slots):
   into slot (c + ahead) % slots. No load may hit a slot whose store is
   still unread, or a slot not yet stored from; an announce waits only for
   stores at least `lag` old."""
-  ahead, in_flight, lag = schedule.sender_pipeline(slots)
+  ahead, in_flight = schedule.sender_pipeline(slots)
   assert ahead >= 1 and in_flight >= 1 and ahead + in_flight == slots
-  assert lag >= in_flight  # By default announcing drains no store in flight.
-  assert schedule.sender_pipeline(slots, 3)[2] == 3
   n = 50
   holder = {c % slots: c for c in range(ahead)}  # Slot -> chunk loaded.
   for c in range(n):
@@ -312,17 +303,6 @@ def test_k_major_sends_need_sender_blocks():
   with pytest.raises(ValueError, match="k_major_sends=True needs sender_sms"):
     Config(k_major_sends=True)
   assert Config(sender_sms=4, k_major_sends=True).k_major_sends
-
-
-@pytest.mark.parametrize("fields", [
-    dict(sender_sms=4, sender_row_parts=2),  # Not k-major.
-    dict(sender_sms=4, k_major_sends=True, sender_row_parts=3),
-    dict(sender_sms=4, k_major_sends=True, sender_row_parts=0)])
-def test_sender_row_parts_must_split_k_major_senders(fields):
-  with pytest.raises(ValueError, match="sender_row_parts="):
-    Config(**fields)
-  assert Config(sender_sms=4, k_major_sends=True,
-                sender_row_parts=4).sender_row_parts == 4
 
 
 def test_sender_announce_lag_is_a_chunk_count():

@@ -60,7 +60,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   tiles_send = ring and not sender_sms
   if sender_sms:
     plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
-                               config.k_major_sends, config.sender_row_parts)
+                               config.k_major_sends)
   if tiles_send:
     per_sender, num_senders, send_gap = schedule.send_plan(
         k_iters, grid.n_iters, config.spread_sends, config.send_gap)
@@ -128,9 +128,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     def wait_k_group(kk):
       """K-major: before a later step's tile loads k block kk, the first of
       a k group, waits until every sender's part of that group landed."""
-      @pl.when((step > 0) & (lax.rem(kk, plan.group) == 0))
+      @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
       def _wait():
-        group = lax.div(kk, jnp.int32(plan.group))
+        group = lax.div(kk, jnp.int32(sender_sms))
         pl.semaphore_wait(arrived.at[step - 1, group],
                           plan.unit_signals(group), decrement=False)
 
@@ -211,8 +211,8 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
-  ahead, in_flight, lag = schedule.sender_pipeline(
-      slots, config.sender_announce_lag)
+  ahead, in_flight = schedule.sender_pipeline(slots)
+  lag = plan.announce_lag(in_flight, config.sender_announce_lag)
   num_chunks = (axis_size - 1) * plan.chunks_per_step(sender)
   peer = common.peer_id(axis_name, send_to)
 

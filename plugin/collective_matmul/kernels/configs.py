@@ -132,14 +132,11 @@ class AllGatherConfig(TileConfig):
       `max_concurrent_steps` deep, and the tiles' pipelines can be chained
       (`chain_tiles`); False: the slot is released one step late (one
       stage less prefetch).
-    sender_row_parts: with `k_major_sends`, the senders split each k
-      group's row blocks into this many parts (a divisor of `sender_sms`):
-      a group is then `sender_sms / sender_row_parts` k blocks, so groups
-      land more often and the last one closer to the end of its tiles.
     sender_announce_lag: with `sender_sms`, a sender announces an arrival
       unit this many chunks after its last store of it was issued, once
       that store has landed (0: at once, draining every store in flight);
-      None: twice the stores it keeps in flight.
+      None: the schedule's (`SenderPlan.announce_lag`: at once k-major,
+      else twice the stores in flight).
   """
 
   spread_sends: bool = True
@@ -147,7 +144,6 @@ class AllGatherConfig(TileConfig):
   sender_sms: int = 0
   k_major_sends: bool = False
   eager_release: bool = False
-  sender_row_parts: int = 1
   sender_announce_lag: int | None = None
 
   def __post_init__(self):
@@ -158,11 +154,6 @@ class AllGatherConfig(TileConfig):
     if self.k_major_sends and not self.sender_sms:
       raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
                        "the dedicated senders' copies)")
-    if self.sender_row_parts < 1 or (self.sender_row_parts > 1 and (
-        not self.k_major_sends or self.sender_sms % self.sender_row_parts)):
-      raise ValueError(
-          f"sender_row_parts={self.sender_row_parts} must be >= 1, and above "
-          f"1 divide sender_sms={self.sender_sms} with k_major_sends=True")
     if self.sender_announce_lag is not None and self.sender_announce_lag < 0:
       raise ValueError(
           f"sender_announce_lag={self.sender_announce_lag} must be >= 0")

@@ -127,27 +127,16 @@ class SenderPlan:
   By rows (`k_major=False`): sender s forwards the contiguous k blocks
   [s * per, s * per + share) of every row block, row block by row block;
   a unit of arrival is one row block (`num_senders` signals).
-  K-major: the S senders form `row_parts` parts of G = S / row_parts;
-  sender s forwards k blocks s % G, s % G + G, ... of the row blocks of
-  part s // G (all of them when `row_parts` is 1), a k group at a time; a
-  unit is one k group, k blocks [g * G, (g + 1) * G) of every row block
-  (one signal per sender with chunks in it), which a tile waits for as its
-  pipeline reaches it. More parts: smaller groups, so the last one lands
-  closer to its tiles' end.
+  K-major: sender s forwards k blocks s, s + S, s + 2 S, ... (S senders) of
+  every row block, a k group at a time across all row blocks; a unit is
+  one k group, k blocks [g * S, (g + 1) * S) (one signal per sender with a
+  block in it), which a tile waits for as its pipeline reaches it.
   """
 
   k_iters: int
   m_iters: int
   sender_sms: int
   k_major: bool
-  row_parts: int = 1
-
-  def __post_init__(self):
-    if self.sender_sms % self.row_parts or (
-        self.row_parts > 1 and not self.k_major):
-      raise ValueError(
-          f"row_parts={self.row_parts} must divide sender_sms="
-          f"{self.sender_sms}, with k-major sends")
 
   @property
   def per(self) -> int:
@@ -155,45 +144,22 @@ class SenderPlan:
     return send_plan(self.k_iters, self.sender_sms, True)[0]
 
   @property
-  def group(self) -> int:
-    """K-major: k blocks per arrival unit (G)."""
-    return self.sender_sms // self.row_parts
-
-  @property
-  def part_rows(self) -> int:
-    """K-major: row blocks per part (the last part may have fewer)."""
-    return -(-self.m_iters // self.row_parts)
-
-  @property
   def num_units(self) -> int:
     """Arrival units (semaphores) per ring step."""
     if self.k_major:
-      return -(-self.k_iters // self.group)
+      return -(-self.k_iters // self.sender_sms)
     return self.m_iters
 
   def share(self, sender):
-    """How many k blocks of each of its row blocks `sender` forwards."""
+    """How many k blocks of each row block `sender` forwards."""
     if self.k_major:
-      g = self.group
       return jnp.maximum(
-          lax.div(self.k_iters - lax.rem(sender, g) + g - 1, jnp.int32(g)), 0)
+          lax.div(self.k_iters - sender + self.sender_sms - 1,
+                  jnp.int32(self.sender_sms)), 0)
     return sender_share(sender, self.k_iters, self.per)
 
-  def first_row(self, sender):
-    """The first row block `sender` forwards."""
-    if self.k_major:
-      return lax.div(sender, jnp.int32(self.group)) * self.part_rows
-    return jnp.int32(0)
-
-  def rows(self, sender):
-    """How many row blocks `sender` forwards (of every ring step)."""
-    if self.k_major:
-      return jnp.clip(self.m_iters - self.first_row(sender), 0,
-                      self.part_rows)
-    return jnp.int32(self.m_iters)
-
   def chunks_per_step(self, sender):
-    return self.rows(sender) * self.share(sender)
+    return self.m_iters * self.share(sender)
 
   def chunk(self, c, sender):
     """Chunk `c` of `sender`'s copy loop -> (ring step, row block i, j),
@@ -201,16 +167,14 @@ class SenderPlan:
     share = self.share(sender)
     if not self.k_major:
       return sender_chunk(c, share, self.m_iters)
-    rows = jnp.maximum(self.rows(sender), 1)
-    per_step = rows * share
+    per_step = self.m_iters * share
     within = lax.rem(c, per_step)
-    return (lax.div(c, per_step),
-            self.first_row(sender) + lax.rem(within, rows),
-            lax.div(within, rows))
+    return (lax.div(c, per_step), lax.rem(within, self.m_iters),
+            lax.div(within, self.m_iters))
 
   def k_block(self, sender, j):
     if self.k_major:
-      return j * self.group + lax.rem(sender, jnp.int32(self.group))
+      return j * self.sender_sms + sender
     return sender * self.per + j
 
   def unit(self, i, j):
@@ -219,41 +183,47 @@ class SenderPlan:
 
   def opens_unit(self, sender, i, j):
     """Whether chunk (i, j) is `sender`'s first of its unit."""
-    if self.k_major:
-      return i == self.first_row(sender)
-    return j == 0
+    del sender  # Every sender forwards every row block.
+    return (i if self.k_major else j) == 0
 
   def closes_unit(self, sender, i, j):
     """Whether chunk (i, j) is `sender`'s last of its unit."""
     if self.k_major:
-      return i == self.first_row(sender) + self.rows(sender) - 1
+      return i == self.m_iters - 1
     return j == self.share(sender) - 1
 
   def unit_signals(self, unit):
     """Signals that complete `unit`: one per sender with chunks in it."""
     if self.k_major:
-      parts = -(-self.m_iters // self.part_rows)  # Parts with rows.
-      return parts * jnp.minimum(jnp.int32(self.group),
-                                 self.k_iters - unit * self.group)
+      return jnp.minimum(jnp.int32(self.sender_sms),
+                         self.k_iters - unit * self.sender_sms)
     return send_plan(self.k_iters, self.sender_sms, True)[1]
 
+  def announce_lag(self, in_flight: int, lag: int | None) -> int:
+    """Chunks after a unit's last store that it is announced (`lag`, or by
+    default `sender_pipeline`'s): k-major at once, once every store has
+    landed: its tiles wait for each group as they reach it, and the
+    drain costs less than announcing late (at 1024/4096/4096, 97.2-98.9
+    against 99.3-101.6 us; benchmarks/kernel_lead/, runs 21-23). By rows
+    twice the stores in flight, so that announcing drains none of them."""
+    if lag is not None:
+      return lag
+    return 0 if self.k_major else 2 * in_flight
 
-def sender_pipeline(slots: int, lag: int | None = None):
-  """(loads ahead, stores in flight, announce lag) of a sender block's copy
-  loop over `slots` shared-memory buffers.
+
+def sender_pipeline(slots: int):
+  """(loads ahead, stores in flight) of a sender block's copy loop over
+  `slots` shared-memory buffers.
 
   A remote TMA store holds its buffer until NVLink has read it, so most
   buffers go to stores in flight and the rest to loads (from local HBM,
   faster) ahead. On 2 x H200 one sending SM moved ~30 GB/s with 1-2 stores
-  in flight and still ~30 GB/s with 8 (benchmarks/kernel_lead/, runs 1-2):
-  the limit is per SM, not this depth. A unit is announced `lag` chunks
-  after its last store was issued (`AllGatherConfig.sender_announce_lag`,
-  or by default 2 x the stores in flight), waiting only for stores that old
-  to land, so announcing drains few of the stores in flight.
+  in flight and still ~30 GB/s with 8 (benchmarks/kernel_lead/, runs 1-2);
+  4 to 10 loads ahead out of 12 slots timed alike (run 23): the limit is
+  per SM, not this depth.
   """
   ahead = max(1, slots // 3)
-  in_flight = slots - ahead
-  return ahead, in_flight, 2 * in_flight if lag is None else lag
+  return ahead, slots - ahead
 
 
 def output_row(local_row, source, axis_size: int, rows_per_batch: int):
