@@ -238,7 +238,7 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   if tuned:
     return tuned.config
   base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
-  config = _sender_config(base, m, n, dtype, axis_size, num_sms,
+  config = _sender_config(base, m, k, n, dtype, axis_size, num_sms,
                           out_dtype) or base
   return _chained(config, k, n, axis_size)
 
@@ -291,9 +291,16 @@ SENDER_BALANCED_MIN_M = 4096
 # senders' ~90 GB/s to deliver the shard (m k elements) within two steps
 # (measured at n = 4096: benchmarks/kernel_lead/, runs 13-16).
 SENDER_K_MAJOR_MIN_N = 4096
+# Where all ring steps are one wave (the senders' transfer is the kernel's
+# critical path): the k step, and so the senders' chunk width (256-byte
+# rows), that let one sender SM move more. 512/4096/4096 bf16 on 2 x H200:
+# 53.4 against 58.8 us with 64 (benchmarks/kernel_lead/, run 24). Taken
+# only with >= SENDER_WIDE_MIN_STAGES pipeline stages (2 stages: 63.8 us).
+SENDER_WIDE_TILE_K = 128
+SENDER_WIDE_MIN_STAGES = 3
 
 
-def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
+def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
                    out_dtype) -> AllGatherConfig | None:
   """The dedicated-sender schedule where it was measured to win, else None.
 
@@ -305,7 +312,10 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
   while its remote rows arrive: 512/4096/4096 bf16 on 2 x H200 went from
   79-83 to 60-63 us (the upstream example 95, NCCL + cuBLAS 79;
   benchmarks/kernel_lead/). K-major (`k_major_sends`): a remote tile
-  starts as soon as the first k group is in, 0.3-2.5 us sooner.
+  starts as soon as the first k group is in, 0.3-2.5 us sooner. There the
+  senders' transfer is the critical path, and 128-column k steps
+  (`SENDER_WIDE_TILE_K`, so the senders copy 256-byte rows) took it to
+  53.4 us (1.14 x bound) where 3 pipeline stages fit.
 
   One wave per step (the seed shape, 128 tiles on 132 SMs): the same
   senders, k-major, with `base`'s tiles on the other SMs: the next step's
@@ -334,9 +344,17 @@ def _sender_config(base: AllGatherConfig, m, n, dtype, axis_size, num_sms,
   if _steps_in_one_wave(base, m, n, axis_size, num_sms):
     tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
                              num_sms - SENDER_SMS)
-    return tiles and fit_shared_memory(
-        dataclasses.replace(tiles, sender_sms=SENDER_SMS,
-                            k_major_sends=True), dtype, out_dtype)
+    if not tiles:
+      return None
+    senders = dataclasses.replace(tiles, sender_sms=SENDER_SMS,
+                                  k_major_sends=True)
+    wide = fit_shared_memory(
+        dataclasses.replace(senders, tile_k=SENDER_WIDE_TILE_K), dtype,
+        out_dtype)
+    if (k % SENDER_WIDE_TILE_K == 0 and wide is not None
+        and wide.max_concurrent_steps >= SENDER_WIDE_MIN_STAGES):
+      return wide
+    return fit_shared_memory(senders, dtype, out_dtype)
   if (axis_size == 2 and n >= SENDER_K_MAJOR_MIN_N
       and _tiles_per_step(base, m, n) <= num_sms - SENDER_SMS):
     return fit_shared_memory(

@@ -39,6 +39,8 @@ CONFIGS = [
     kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
                             sender_announce_lag=16),
     kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0),
+    kernels.AllGatherConfig(tile_n=64, tile_k=128, max_concurrent_steps=3,
+                            sender_sms=4, k_major_sends=True),
 ]
 
 
@@ -149,6 +151,19 @@ def test_balanced_senders_with_the_256_row_tile_are_exact_and_repeatable():
   config = selection.select_config(m, k, n, jnp.bfloat16, 2)
   assert (config.sender_sms, config.cta_tile_m) == (4, 256), config
   _assert_exact_and_repeatable(2, m, k, n, None, repeats=3, seed=5)
+
+
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+def test_wide_sender_chunks_at_512_rows_are_exact_and_repeatable():
+  """The config `auto` takes where all ring steps are one wave: k-major
+  senders with 128-column k steps (3 stages), against the f32 reference
+  with the output poisoned, identical over repeats."""
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  m, k, n = 512, 4096, 4096
+  config = selection.select_config(m, k, n, jnp.bfloat16, 2)
+  assert (config.sender_sms, config.k_major_sends, config.tile_k) == (
+      4, True, 128), config
+  _assert_exact_and_repeatable(2, m, k, n, None, repeats=3, seed=7)
 
 
 def test_float32_output():

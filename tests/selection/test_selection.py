@@ -373,6 +373,26 @@ def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   assert config.k_major_sends == (senders > 0 and one_wave)
 
 
+@pytest.mark.parametrize("m,k,n,out_dtype,tile_k,stages", [
+    # All ring steps in one wave: the senders copy 256-byte rows ...
+    (512, 4096, 4096, None, 128, 3),
+    (384, 4096, 4096, None, 128, 3),
+    # ... not where only 2 stages would fit (a float32 output's epilogue;
+    # 2 stages measured slower), nor where k would need padding.
+    (512, 4096, 4096, "float32", 64, 4),
+    (512, 4160, 4096, None, 64, 4),
+    # One wave per step (the seed shape): the 128 x 256 tile's k step.
+    (1024, 4096, 4096, None, 64, 4),
+])
+def test_wide_sender_chunks_where_all_steps_are_one_wave(
+    m, k, n, out_dtype, tile_k, stages):
+  config = selection.select_config(m, k, n, "bfloat16", 2,
+                                   out_dtype=out_dtype)
+  assert (config.sender_sms, config.k_major_sends) == (4, True)
+  assert (config.tile_k, config.max_concurrent_steps) == (tile_k, stages)
+  assert config.smem_bytes(2, 4 if out_dtype else 2) <= selection.SMEM_BYTES
+
+
 @pytest.mark.parametrize("m,k,n,d,eager,chained", [
     # Balanced dedicated senders (by rows): chained.
     (8192, 4096, 6144, 2, False, True),
