@@ -55,7 +55,9 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
 
   All-gather: every tile candidate x send gap x grid width, and every tile
   candidate x grid width with `selection.SENDER_SMS` dedicated sender
-  blocks, by rows and k-major (send gaps do not apply to those); chained
+  blocks, by rows and k-major (send gaps do not apply to those), k-major
+  also with the wide k step (`selection.SENDER_WIDE_TILE_K`) where enough
+  pipeline stages fit; chained
   tiles (`chain_tiles`) with the senders by rows and, released eagerly,
   with each send gap, as `selection` takes them where measured. Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
@@ -75,6 +77,13 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
           yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
                                     k_major_sends=k_major, chain_tiles=chain,
                                     grid_tile_width=width)
+        wide = selection.fit_shared_memory(dataclasses.replace(
+            base, sender_sms=selection.SENDER_SMS, k_major_sends=True,
+            grid_tile_width=width, tile_k=selection.SENDER_WIDE_TILE_K),
+                                           dtype)
+        if wide and (wide.max_concurrent_steps
+                     >= selection.SENDER_WIDE_MIN_STAGES):
+          yield wide
     return
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")

@@ -291,11 +291,13 @@ SENDER_BALANCED_MIN_M = 4096
 # senders' ~90 GB/s to deliver the shard (m k elements) within two steps
 # (measured at n = 4096: benchmarks/kernel_lead/, runs 13-16).
 SENDER_K_MAJOR_MIN_N = 4096
-# Where all ring steps are one wave (the senders' transfer is the kernel's
-# critical path): the k step, and so the senders' chunk width (256-byte
-# rows), that let one sender SM move more. 512/4096/4096 bf16 on 2 x H200:
-# 53.4 against 58.8 us with 64 (benchmarks/kernel_lead/, run 24). Taken
-# only with >= SENDER_WIDE_MIN_STAGES pipeline stages (2 stages: 63.8 us).
+# Where all ring steps are one wave (the senders' transfer was the kernel's
+# critical path): the k step of the tiles and so of the senders' chunks
+# (256-byte rows). 512/4096/4096 bf16 on 2 x H200: 53.3-53.5 against
+# 58.8-59.7 us with 64 (benchmarks/kernel_lead/, runs 24-26). Not separated
+# yet: how much is the senders' wider rows and how much the tiles' deeper
+# k pipeline (3 x 128 columns against 4 x 64). Taken only with >=
+# SENDER_WIDE_MIN_STAGES pipeline stages (2 stages: 63.8 us).
 SENDER_WIDE_TILE_K = 128
 SENDER_WIDE_MIN_STAGES = 3
 
@@ -313,15 +315,17 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
   79-83 to 60-63 us (the upstream example 95, NCCL + cuBLAS 79;
   benchmarks/kernel_lead/). K-major (`k_major_sends`): a remote tile
   starts as soon as the first k group is in, 0.3-2.5 us sooner. There the
-  senders' transfer is the critical path, and 128-column k steps
-  (`SENDER_WIDE_TILE_K`, so the senders copy 256-byte rows) took it to
-  53.4 us (1.14 x bound) where 3 pipeline stages fit.
+  senders' transfer was the critical path, and 128-column k steps
+  (`SENDER_WIDE_TILE_K`: the senders copy 256-byte rows) took it to
+  53.3-53.5 us (1.13-1.14 x bound) where 3 pipeline stages fit.
 
   One wave per step (the seed shape, 128 tiles on 132 SMs): the same
   senders, k-major, with `base`'s tiles on the other SMs: the next step's
   tiles start at once and the senders need only stay ahead of their k
   loops. 1024/4096/4096: 98.5-99.6 against 102.9-103.9 us in four runs
-  (bf16; f16 101.7 against 106.2). By rows they lost (120 us): the last
+  (bf16; f16 101.7 against 106.2); announcing each group as soon as it
+  landed (`SenderPlan.announce_lag`), 97.2 against the example's 102.3
+  (run 26). By rows they lost (120 us): the last
   row block arrived long after its tiles could have started. Only from
   `SENDER_K_MAJOR_MIN_N` on: the transfer's time against a step's is a
   ratio of n alone, and at 2048/4096/4096 (two waves per step) k-major

@@ -49,7 +49,10 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
                                    chain_tiles=True),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
                                    sender_announce_lag=3),
-           kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0)]
+           kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0),
+           kernels.AllGatherConfig(tile_n=64, tile_k=128,
+                                   max_concurrent_steps=3, sender_sms=4,
+                                   k_major_sends=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

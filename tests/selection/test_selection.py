@@ -235,8 +235,9 @@ def test_all_gather_candidates_cover_the_chosen_tiles_with_and_without_senders(
   assert len(set(candidates)) == len(candidates)
   assert {c.sender_sms for c in candidates} == {0, selection.SENDER_SMS}
   chosen = selection.select_config(*shape, "bfloat16", 2)
-  tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.sender_sms,
-                     c.k_major_sends, c.eager_release, c.chain_tiles)
+  tiles = lambda c: (c.tile_m, c.tile_n, c.wg_dimension, c.tile_k,
+                     c.max_concurrent_steps, c.sender_sms, c.k_major_sends,
+                     c.eager_release, c.chain_tiles)
   assert tiles(chosen) in {tiles(c) for c in candidates}
 
 
