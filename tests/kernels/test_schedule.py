@@ -308,6 +308,8 @@ def test_k_major_sends_need_sender_blocks():
 def test_sender_announce_lag_is_a_chunk_count():
   with pytest.raises(ValueError, match="sender_announce_lag=-1"):
     Config(sender_sms=4, sender_announce_lag=-1)
+  with pytest.raises(ValueError, match="sender_announce_lag=2 .* sender_sms"):
+    Config(sender_announce_lag=2)  # No senders to pace.
   assert Config(sender_sms=4, sender_announce_lag=0).sender_announce_lag == 0
 
 

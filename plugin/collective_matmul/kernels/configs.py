@@ -154,9 +154,11 @@ class AllGatherConfig(TileConfig):
     if self.k_major_sends and not self.sender_sms:
       raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
                        "the dedicated senders' copies)")
-    if self.sender_announce_lag is not None and self.sender_announce_lag < 0:
+    if self.sender_announce_lag is not None and (
+        self.sender_announce_lag < 0 or not self.sender_sms):
       raise ValueError(
-          f"sender_announce_lag={self.sender_announce_lag} must be >= 0")
+          f"sender_announce_lag={self.sender_announce_lag} must be >= 0, "
+          "with sender_sms > 0 (it paces the dedicated senders)")
 
   @property
   def sender_chunk_elems(self) -> int:

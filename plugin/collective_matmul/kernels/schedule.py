@@ -200,12 +200,13 @@ class SenderPlan:
     return send_plan(self.k_iters, self.sender_sms, True)[1]
 
   def announce_lag(self, in_flight: int, lag: int | None) -> int:
-    """Chunks after a unit's last store that it is announced (`lag`, or by
-    default `sender_pipeline`'s): k-major at once, once every store has
-    landed: its tiles wait for each group as they reach it, and the
-    drain costs less than announcing late (at 1024/4096/4096, 97.2-98.9
-    against 99.3-101.6 us; benchmarks/kernel_lead/, runs 21-23). By rows
-    twice the stores in flight, so that announcing drains none of them."""
+    """Chunks after a unit's last store that it is announced: `lag` when
+    given (`AllGatherConfig.sender_announce_lag`), else k-major at once,
+    once every store has landed: its tiles wait for each group as they
+    reach it, and the drain costs less than announcing late (at
+    1024/4096/4096, 97.2-98.9 against 99.3-101.6 us; benchmarks/
+    kernel_lead/, runs 21-23). By rows twice the stores in flight, so that
+    announcing waits only for stores that old."""
     if lag is not None:
       return lag
     return 0 if self.k_major else 2 * in_flight
