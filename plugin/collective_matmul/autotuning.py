@@ -77,12 +77,10 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
           yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
                                     k_major_sends=k_major, chain_tiles=chain,
                                     grid_tile_width=width)
-        wide = selection.fit_shared_memory(dataclasses.replace(
+        wide = selection.wide_sender_tiles(dataclasses.replace(
             base, sender_sms=selection.SENDER_SMS, k_major_sends=True,
-            grid_tile_width=width, tile_k=selection.SENDER_WIDE_TILE_K),
-                                           dtype)
-        if wide and (wide.max_concurrent_steps
-                     >= selection.SENDER_WIDE_MIN_STAGES):
+            grid_tile_width=width), dtype)
+        if wide is not None:
           yield wide
     return
   if None in (m, k, n):

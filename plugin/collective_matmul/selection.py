@@ -352,11 +352,8 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
       return None
     senders = dataclasses.replace(tiles, sender_sms=SENDER_SMS,
                                   k_major_sends=True)
-    wide = fit_shared_memory(
-        dataclasses.replace(senders, tile_k=SENDER_WIDE_TILE_K), dtype,
-        out_dtype)
-    if (k % SENDER_WIDE_TILE_K == 0 and wide is not None
-        and wide.max_concurrent_steps >= SENDER_WIDE_MIN_STAGES):
+    wide = wide_sender_tiles(senders, dtype, out_dtype)
+    if wide is not None and k % SENDER_WIDE_TILE_K == 0:
       return wide
     return fit_shared_memory(senders, dtype, out_dtype)
   if (axis_size == 2 and n >= SENDER_K_MAJOR_MIN_N
@@ -369,6 +366,18 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
     return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),
                              dtype, out_dtype)
   return None
+
+
+def wide_sender_tiles(config: AllGatherConfig, dtype,
+                      out_dtype=None) -> AllGatherConfig | None:
+  """`config` with the k step `SENDER_WIDE_TILE_K`, if at least
+  `SENDER_WIDE_MIN_STAGES` pipeline stages of it fit, else None."""
+  wide = fit_shared_memory(
+      dataclasses.replace(config, tile_k=SENDER_WIDE_TILE_K), dtype,
+      out_dtype)
+  if wide is None or wide.max_concurrent_steps < SENDER_WIDE_MIN_STAGES:
+    return None
+  return wide
 
 
 def _steps_in_one_wave(config: TileConfig, m, n, axis_size, num_sms) -> bool:
