@@ -183,21 +183,60 @@ def prepare_xla_for_kernels() -> bool:
   return command_buffer_reason("gpu") is None
 
 
+class SmallBox(NamedTuple):
+  """Per-shard problems (rows, local contraction k, local columns n) where
+  the kernels were measured faster than NCCL + cuBLAS although a ring step
+  has few tiles."""
+
+  min_rows: int
+  k_range: tuple[int, int]
+  min_n: int
+
+  def holds(self, m: int, k: int, n: int) -> bool:
+    low, high = self.k_range
+    return m >= self.min_rows and low <= k <= high and n >= self.min_n
+
+  def __str__(self):
+    low, high = self.k_range
+    return (f"from {self.min_rows} rows with k {low}-{high} and "
+            f"n >= {self.min_n}")
+
+
+# Where small problems were measured worth overlapping at D = 2 (the
+# all-gather's dedicated senders, the reduce-scatter's concurrent ring
+# steps): 2 x H200, 37 shapes, benchmarks/kernel_lead/, runs 27-29
+# (`plot_small_problems.py`). Both kernels were faster than NCCL + cuBLAS
+# at every shape inside, by up to 1.8 x (the slowest: a tie at
+# reduce-scatter 384/5504/4096 and 128/8192/4096). They lost at
+# all-gather 64/4096/4096 (-4 %) and 128/14336/4096 (-5 %) and at
+# reduce-scatter 128/4096/1024 (-26 %), all outside.
+SMALL_BOXES = (SmallBox(128, (2048, 8192), 2048),
+               SmallBox(256, (1024, 14336), 1024))
+
+
 def too_small_reason(m: int, k: int, n: int, dtype, axis_size: int,
                      num_sms: int = 132) -> str | None:
   """Why overlapping does not pay for this problem, or None if it does.
 
-  When one ring step has too few output tiles to keep half the SMs busy,
-  each step's tiles wait on the previous step's data with the GPU mostly
-  idle; an NCCL all-gather followed by one cuBLAS GEMM is faster (measured
-  on 2 x H200: benchmarks/RESULTS.md).
+  `m` is the per-shard rows (before the all-gather, after the
+  reduce-scatter), `k` the local contraction. When one ring step has too
+  few output tiles to keep half the SMs busy, each step's tiles wait on
+  the previous step's data with the GPU mostly idle, and an NCCL collective
+  with one cuBLAS GEMM is faster; except at D = 2 inside `SMALL_BOXES`,
+  where the all-gather's dedicated senders and the reduce-scatter's
+  concurrent ring steps were measured faster (2 x H200:
+  benchmarks/kernel_lead/, runs 27-29).
   """
   config = select_config(m, k, n, dtype, axis_size, num_sms)
   per_step = _tiles_per_step(config, m, n)
-  if axis_size > 1 and per_step < num_sms / 2:
-    return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
-            f"(local {m}x{k}x{n}): all-gather + GEMM is faster")
-  return None
+  if axis_size == 1 or per_step >= num_sms / 2:
+    return None
+  if axis_size == 2 and any(box.holds(m, k, n) for box in SMALL_BOXES):
+    return None
+  where = ("; at D = 2 measured faster "
+           + " or ".join(map(str, SMALL_BOXES)) if axis_size == 2 else "")
+  return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
+          f"(local {m}x{k}x{n}{where}): the collective + GEMM is faster")
 
 
 # ------------------------------------------------------------------ heuristics
@@ -279,6 +318,13 @@ def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
 
 # Sender blocks of the dedicated-sender schedule (`AllGatherConfig.sender_sms`).
 SENDER_SMS = 4
+# Where all ring steps' tiles run at once and leave more SMs idle than
+# `SENDER_SMS`, the senders take the idle SMs, up to this many (each moves
+# about 25-40 GB/s). 2 x H200, 4 / 8 / 16 / 32 senders: 128/4096/2048
+# 25.0 / 22.5 / 21.2 / 23.5 us, 384/4096/2048 38.1 / 31.4 / 30.6 / 37.3,
+# 64/4096/4096 30.2 / 29.7 / 26.8 / 26.7, 128/4096/5504 35.3 / 32.8 /
+# 33.9 / 32.7 (benchmarks/kernel_lead/, run 28).
+SENDER_MAX_IDLE_SMS = 16
 
 
 # Where the dedicated senders beat the paced sends at several waves per ring
@@ -317,7 +363,14 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
   starts as soon as the first k group is in, 0.3-2.5 us sooner. There the
   senders' transfer was the critical path, and 128-column k steps
   (`SENDER_WIDE_TILE_K`: the senders copy 256-byte rows) took it to
-  53.3-53.5 us (1.13-1.14 x bound) where 3 pipeline stages fit.
+  53.3-53.5 us (1.13-1.14 x bound) where 3 pipeline stages fit; in
+  loopback it takes the same (53.3), where the 64-column k step lost 4.6
+  us to the link (run 28).
+  Where `base`'s tiles already fill the most SMs a ring step can (fewer
+  rows), the senders join them, and where all steps' tiles leave more SMs
+  idle, up to `SENDER_MAX_IDLE_SMS` send: at 128-384 rows 1.1-1.8 x
+  faster than without senders and than NCCL + cuBLAS (runs 27-28; what
+  `impl=auto` takes: `too_small_reason`).
 
   One wave per step (the seed shape, 128 tiles on 132 SMs): the same
   senders, k-major, with `base`'s tiles on the other SMs: the next step's
@@ -348,10 +401,12 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
   if _steps_in_one_wave(base, m, n, axis_size, num_sms):
     tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
                              num_sms - SENDER_SMS)
-    if not tiles:
-      return None
-    senders = dataclasses.replace(tiles, sender_sms=SENDER_SMS,
-                                  k_major_sends=True)
+    if tiles is None:  # `base` already fills the most SMs it can.
+      tiles = base
+    idle = num_sms - axis_size * _tiles_per_step(tiles, m, n)
+    senders = dataclasses.replace(
+        tiles, sender_sms=max(SENDER_SMS, min(idle, SENDER_MAX_IDLE_SMS)),
+        k_major_sends=True)
     wide = wide_sender_tiles(senders, dtype, out_dtype)
     if wide is not None and k % SENDER_WIDE_TILE_K == 0:
       return wide

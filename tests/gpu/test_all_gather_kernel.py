@@ -166,6 +166,53 @@ def test_wide_sender_chunks_at_512_rows_are_exact_and_repeatable():
   _assert_exact_and_repeatable(2, m, k, n, None, repeats=3, seed=7)
 
 
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("m,k,n,senders,cta_m", [
+    (128, 4096, 2048, 16, 64),   # 64-row tiles, senders on the idle SMs.
+    (384, 4096, 2048, 16, 128),
+    (256, 4096, 4096, 4, 128),   # The heuristic's tiles, with senders.
+])
+def test_small_problem_senders_are_exact_and_repeatable(m, k, n, senders,
+                                                        cta_m):
+  """The configs `auto` takes below 512 rows (runs 27-28): k-major senders
+  with the tiles the heuristic picked, as many as the tiles leave SMs idle
+  (at most 16), against the f32 reference with the output poisoned,
+  identical over repeats."""
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  config = selection.select_config(m, k, n, jnp.bfloat16, 2)
+  assert (config.sender_sms, config.k_major_sends, config.cta_tile_m) == (
+      senders, True, cta_m), config
+  _assert_exact_and_repeatable(2, m, k, n, None, repeats=3, seed=m + n)
+
+
+@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
+def test_auto_overlaps_a_small_problem_forward_and_backward():
+  """At 256 rows per shard `auto` now takes both kernels (the all-gather
+  forward, the reduce-scatter backward): values and gradients against the
+  f32 reference."""
+  d, rows, k, n = 2, 256, 4096, 4096
+  dims = (((2,), (0,)), ((), ()))
+  with jax.set_mesh(_mesh(d)):
+    x = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(11), (1, d * rows, k), jnp.bfloat16),
+        P(None, "x", None))
+    w = jax.sharding.reshard(jax.random.normal(
+        jax.random.key(12), (k, d * n), jnp.bfloat16) / 64, P(None, "x"))
+    cm.clear_decisions()
+    with cm.config_context(enabled=True, impl="auto", strict=True):
+      loss = lambda x, w: jnp.sum(
+          cm.dot_general(x, w, dims).astype(jnp.float32) ** 2)
+      value, (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    (decision,) = cm.decisions()
+    assert decision.rewritten and decision.impl == "pallas", decision
+    assert decision.backward_impl == "pallas", decision
+  x32, w32 = np.asarray(x, np.float32)[0], np.asarray(w, np.float32)
+  y = x32 @ w32
+  np.testing.assert_allclose(float(value), float(np.sum(y ** 2)), rtol=2e-2)
+  assert _rel(np.asarray(dx, np.float32)[0], 2 * y @ w32.T) < 3e-2
+  assert _rel(dw, 2 * x32.T @ y) < 3e-2
+
+
 def test_float32_output():
   d = min(2, HOPPER_COUNT)
   with jax.set_mesh(_mesh(d)):

@@ -345,8 +345,15 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
     # D = 4 is not measured: today's schedule.
     (512, 4096, 4096, 4, 0, (128, 256)),
     # The heuristic's tiles already give as many tiles per step as 128-row
-    # tiles could: no senders (and too small for impl="auto", below).
-    (256, 4096, 4096, 2, 0, (128, 128)),
+    # tiles could: senders with those tiles (34.2 against 41.2 us without,
+    # NCCL + cuBLAS 49.9), 64-row tiles included (128/4096/4096: 26.8
+    # against 30.3, NCCL + cuBLAS 33.5) ...
+    (256, 4096, 4096, 2, 4, (128, 128)),
+    (128, 4096, 4096, 2, 4, (64, 128)),
+    # ... and where all steps' tiles leave SMs idle, more senders
+    # (128/4096/2048: 21.2 against 25.0 with 4).
+    (128, 4096, 2048, 2, 16, (64, 128)),
+    (384, 4096, 2048, 2, 16, (128, 128)),
     # Several waves per step, where a step's GEMM takes about as long as the
     # senders' transfer (n = 4096-8192, m >= 4096; measured 1-3 % faster):
     (8192, 4096, 4096, 2, 4, (128, 256)),
@@ -417,13 +424,64 @@ def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
     assert k_iters % config.max_concurrent_steps == 0
 
 
-def test_dedicated_senders_make_the_small_shape_worth_overlapping():
-  assert selection.too_small_reason(512, 4096, 4096, "bfloat16", 2) is None
-  assert "output tiles per ring step" in selection.too_small_reason(
-      256, 4096, 4096, "bfloat16", 2)
-  # Without senders (D = 4) the same shard stays with NCCL + cuBLAS.
-  assert "output tiles per ring step" in selection.too_small_reason(
-      512, 4096, 4096, "bfloat16", 4)
+@pytest.mark.parametrize("m,k,n", [
+    (512, 4096, 4096), (256, 4096, 4096), (128, 4096, 2048),
+    (128, 2048, 4096), (256, 8192, 4096), (384, 5504, 4096),
+    (256, 1024, 1024), (256, 4096, 1024), (256, 14336, 4096)])
+def test_small_problems_are_overlapped_where_measured_faster(m, k, n):
+  # D = 2, inside the measured boxes (runs 27-29: both kernels faster than
+  # NCCL + cuBLAS at every shape there, or level).
+  assert selection.too_small_reason(m, k, n, "bfloat16", 2) is None
+
+
+@pytest.mark.parametrize("m,k,n,d", [
+    (64, 4096, 4096, 2),     # Measured 4 % slower (all-gather).
+    (128, 14336, 4096, 2),   # Measured 5 % slower (all-gather).
+    (128, 4096, 1024, 2),    # Measured 26 % slower (reduce-scatter).
+    (256, 512, 512, 2),      # Not measured.
+    (512, 4096, 4096, 4),    # D = 4: no senders, not measured.
+])
+def test_small_problems_outside_the_measured_boxes_stay_with_xla(m, k, n, d):
+  reason = selection.too_small_reason(m, k, n, "bfloat16", d)
+  assert "output tiles per ring step" in reason
+  assert ("measured faster from 128 rows" in reason) == (d == 2)
+
+
+def test_every_shape_of_the_small_problem_sweep_is_decided_as_measured():
+  """The boxes against the sweep's raw results: `auto` takes the kernel
+  at no measured shape where NCCL + cuBLAS was faster (runs 27-29)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  here = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                      "kernel_lead")
+  decided = 0
+  for name in ("run27_ag_small.json", "run27_ag_mid.json",
+               "run28_rs_small.json", "run28_ag_senders.json",
+               "run29_edges.json"):
+    with open(os.path.join(here, name)) as f:
+      rows = json.load(f)["rows"]
+    for row in rows:
+      m, k, n = map(int, row["shape"].split("/"))
+      if selection.too_small_reason(m, k, n, "bfloat16", 2) is not None:
+        continue
+      # The time of the config the selection picks today.
+      pick = (selection.select_reduce_scatter_config
+              if row.get("pattern") == "reduce_scatter"
+              else selection.select_config)(m, k, n, "bfloat16", 2)
+      times = [row[key[:-len("_config")] + "_us"] for key in row
+               if key.endswith("_config")
+               and row[key] == dataclasses.asdict(pick)
+               and not row.get(key[:-len("_config")] + "_loopback")]
+      if times:
+        assert times[0] <= 1.01 * row["nccl_us"], row["shape"]
+        decided += 1
+  assert decided >= 25
+
+
+def test_the_small_problem_box_is_where_the_tiles_do_not_fill_the_sms():
+  # Large enough problems are overlapped whatever the box says.
+  assert selection.too_small_reason(64, 4096, 16384, "bfloat16", 2) is None
+  assert selection.too_small_reason(4096, 1024, 1024, "bfloat16", 4) is None
 
 
 @pytest.mark.parametrize("m,k,n,d,tiles,pacing", [
