@@ -9,7 +9,6 @@ measured in several runs is taken from the latest.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -17,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from collective_matmul.kernels import configs
 from collective_matmul import selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,11 +28,13 @@ def picked(row):
   """(method key, us) of the config today's selection picks, or None."""
   m, k, n = map(int, row["shape"].split("/"))
   rs = row.get("pattern") == "reduce_scatter"
-  want = dataclasses.asdict(
-      selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2) if rs
-      else selection.select_config(m, k, n, "bfloat16", 2))
+  want = (selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2)
+          if rs else selection.select_config(m, k, n, "bfloat16", 2))
+  # A recorded config lacks the fields added since (their defaults).
+  cls = configs.ReduceScatterConfig if rs else configs.AllGatherConfig
   for key in sorted(k[:-7] for k in row if k.endswith("_config")):
-    if row[f"{key}_config"] == want and not row.get(f"{key}_loopback"):
+    if cls(**row[f"{key}_config"]) == want and not row.get(
+        f"{key}_loopback"):
       return key, row[f"{key}_us"]
   return None
 

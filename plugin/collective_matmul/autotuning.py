@@ -53,35 +53,26 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
                       dtype=jnp.bfloat16, axis_size: int = 2):
   """The configurations autotuning tries for `pattern`.
 
-  All-gather: every tile candidate x send gap x grid width, and every tile
-  candidate x grid width with `selection.SENDER_SMS` dedicated sender
-  blocks, by rows and k-major (send gaps do not apply to those), k-major
-  also with the wide k step (`selection.SENDER_WIDE_TILE_K`) where enough
-  pipeline stages fit; chained
-  tiles (`chain_tiles`) with the senders by rows and, released eagerly,
-  with each send gap, as `selection` takes them where measured. Reduce-scatter:
+  All-gather: with the local shape given, the heuristic's own choice
+  (`selection.default_config`) first; then every tile candidate x send gap
+  x grid width, and every tile candidate x grid width with
+  `selection.SENDER_SMS` dedicated sender blocks, by rows and k-major (send
+  gaps do not apply to those), k-major also with the wide k step
+  (`selection.SENDER_WIDE_TILE_K`) where enough pipeline stages fit;
+  chained tiles (`chain_tiles`) with the senders by rows and, released
+  eagerly, with each send gap, as `selection` takes them where measured.
+  Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
   pieces x send gap; the pacing that wins depends on how many waves a ring
   step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
   """
   pattern = Collective.parse(pattern, "pattern")
   if pattern == Collective.ALL_GATHER:
-    for base in selection.tile_candidates():
-      for gap in (8, 12, 16):
-        for width in (4, 8):
-          yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
-        yield dataclasses.replace(base, send_gap=gap, eager_release=True,
-                                  chain_tiles=True)
-      for width in (4, 8):
-        for k_major, chain in ((False, False), (False, True), (True, False)):
-          yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
-                                    k_major_sends=k_major, chain_tiles=chain,
-                                    grid_tile_width=width)
-        wide = selection.wide_sender_tiles(dataclasses.replace(
-            base, sender_sms=selection.SENDER_SMS, k_major_sends=True,
-            grid_tile_width=width), dtype)
-        if wide is not None:
-          yield wide
+    seen = set()
+    for config in _all_gather_candidates(m, k, n, dtype, axis_size):
+      if config not in seen:
+        seen.add(config)
+        yield config
     return
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")
@@ -93,6 +84,31 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
       except ValueError:  # Pieces that do not split this epilogue tile.
         continue
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
+
+
+def _all_gather_candidates(m, k, n, dtype, axis_size):
+  """`candidate_configs`' all-gather list, in order, duplicates included:
+  the heuristic's own choice first where the shape is given (so the sweep
+  always times the default, e.g. its sender count on idle SMs, which the
+  grid lacks), then the grid."""
+  if None not in (m, k, n):
+    yield selection.default_config(m, k, n, dtype, axis_size)
+  for base in selection.tile_candidates():
+    for gap in (8, 12, 16):
+      for width in (4, 8):
+        yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)
+      yield dataclasses.replace(base, send_gap=gap, eager_release=True,
+                                chain_tiles=True)
+    for width in (4, 8):
+      for k_major, chain in ((False, False), (False, True), (True, False)):
+        yield dataclasses.replace(base, sender_sms=selection.SENDER_SMS,
+                                  k_major_sends=k_major, chain_tiles=chain,
+                                  grid_tile_width=width)
+      wide = selection.wide_sender_tiles(dataclasses.replace(
+          base, sender_sms=selection.SENDER_SMS, k_major_sends=True,
+          grid_tile_width=width), dtype)
+      if wide is not None:
+        yield wide
 
 
 def kernel_time_us(f, *args, iterations: int = 10):

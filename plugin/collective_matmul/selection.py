@@ -49,7 +49,8 @@ __all__ = [
     "DeviceFacts", "device_facts", "unsupported_reason",
     "command_buffer_reason", "process_layout_reason",
     "prepare_xla_for_kernels", "too_small_reason", "tile_candidates",
-    "fit_shared_memory", "select_config", "select_reduce_scatter_config",
+    "default_config", "fit_shared_memory", "select_config",
+    "select_reduce_scatter_config",
     "cache_path", "cache_key", "load_cached_config", "store_cached_config",
     "TUNED_CONFIGS_FILE", "parse_tuned_configs", "packaged_table",
     "packaged_config", "config_source",
@@ -276,6 +277,12 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
   tuned = _tuned(m, k, n, dtype, axis_size, out_dtype, Collective.ALL_GATHER)
   if tuned:
     return tuned.config
+  return default_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
+
+
+def default_config(m: int, k: int, n: int, dtype, axis_size: int,
+                   num_sms: int = 132, out_dtype=None) -> AllGatherConfig:
+  """`select_config`'s heuristic choice, whatever the caches hold."""
   base = _heuristic_config(m, k, n, dtype, axis_size, num_sms, out_dtype)
   config = _sender_config(base, m, k, n, dtype, axis_size, num_sms,
                           out_dtype) or base
