@@ -411,6 +411,9 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
     if tiles is None:  # `base` already fills the most SMs it can.
       tiles = base
     idle = num_sms - axis_size * _tiles_per_step(tiles, m, n)
+    if tiles is base and idle < SENDER_SMS:
+      # The senders would push tiles into a second wave: no senders.
+      return None
     senders = dataclasses.replace(
         tiles, sender_sms=max(SENDER_SMS, min(idle, SENDER_MAX_IDLE_SMS)),
         k_major_sends=True)

@@ -372,6 +372,9 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
     # (128/4096/2048: 21.2 against 25.0 with 4).
     (128, 4096, 2048, 2, 16, (64, 128)),
     (384, 4096, 2048, 2, 16, (128, 128)),
+    # ... but not where the senders would push tiles into a second wave
+    # (2 x 65 tiles on 132 SMs).
+    (128, 4096, 8256, 2, 0, (128, 128)),
     # Several waves per step, where a step's GEMM takes about as long as the
     # senders' transfer (n = 4096-8192, m >= 4096; measured 1-3 % faster):
     (8192, 4096, 4096, 2, 4, (128, 256)),
