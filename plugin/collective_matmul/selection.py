@@ -375,9 +375,10 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
   us to the link (run 28).
   Where `base`'s tiles already fill the most SMs a ring step can (fewer
   rows), the senders join them, and where all steps' tiles leave more SMs
-  idle, up to `SENDER_MAX_IDLE_SMS` send: at 128-384 rows 1.1-1.8 x
-  faster than without senders and than NCCL + cuBLAS (runs 27-28; what
-  `impl=auto` takes: `too_small_reason`).
+  idle, up to `SENDER_MAX_IDLE_SMS` send: at 64-512 rows up to 1.9 x
+  faster than without senders (never slower), and 1.1-1.8 x faster than
+  NCCL + cuBLAS where `impl=auto` takes them (runs 27-29,
+  `too_small_reason`).
 
   One wave per step (the seed shape, 128 tiles on 132 SMs): the same
   senders, k-major, with `base`'s tiles on the other SMs: the next step's

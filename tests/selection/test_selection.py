@@ -3,6 +3,7 @@ autotuning's candidates and catch. Nothing here needs a GPU.
 """
 import dataclasses
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -470,9 +471,8 @@ def test_small_problems_outside_the_measured_boxes_stay_with_xla(m, k, n, d):
 
 def test_every_shape_of_the_small_problem_sweep_is_decided_as_measured():
   """The boxes against the sweep's raw results: `auto` takes the kernel
-  at no measured shape where NCCL + cuBLAS was faster (runs 27-29)."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
+  at no measured shape where NCCL + cuBLAS was faster by more than 1 %
+  (runs 27-29; the closest is level: 71.6 against 71.5 us)."""
   here = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
                       "kernel_lead")
   decided = 0
