@@ -12,7 +12,16 @@ shape, and is timed against
              or B (cluster along m) through TMA multicast.
 So `ours_ag / cublas` is what the GEMM core costs before any communication,
 and the cluster rows say whether multicast would buy anything at the shape.
-Every result is checked against an f32 reference, with outputs poisoned.
+`--variant NAME=JSON` adds `ours_NAME`: the all-gather core config with the
+JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
+name starting `rs_` the reduce-scatter's, to see which tiling choice costs
+what. With `--rounds R` every method of a shape is timed
+R times round-robin and the median is reported (clocks drift between
+back-to-back readings). With `--trace-dir DIR` each of our configs runs once
+more under `kernels.trace_warpgroups`: its warpgroup trace goes to DIR and
+its per-tile figures (`warpgroup_trace.summarize`: k loop, epilogue, the gap
+between tiles, the blocks' spans) into the row as `ours_*_trace`. Every
+result is checked against an f32 reference, with outputs poisoned.
 
   python scripts/bench_gemm_core.py --shapes 16384/4096/2048 --out core.json
 """
@@ -22,7 +31,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
+import statistics
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -37,6 +48,7 @@ import collective_matmul as cm
 from collective_matmul import kernels
 from collective_matmul import selection
 from collective_matmul.autotuning import kernel_time_us
+import warpgroup_trace  # pylint: disable=g-bad-import-order
 
 cm.prepare_xla_for_kernels()
 
@@ -72,6 +84,17 @@ def upstream_config(cfg, cluster):
       cluster_dimension=None if cluster is None else dim[cluster])
 
 
+def parse_variant(text):
+  """NAME=JSON (`--variant`) -> (name, {field: value})."""
+  name, sep, fields = text.partition("=")
+  if not sep or not name.isidentifier():
+    raise ValueError(f"--variant {text!r}: expected NAME=JSON")
+  fields = json.loads(fields)
+  if not isinstance(fields, dict):
+    raise ValueError(f"--variant {text!r}: the JSON must be an object")
+  return name, fields
+
+
 def bench(shape, args):
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   big_m, k, n = map(int, shape.split("/"))
@@ -85,6 +108,9 @@ def bench(shape, args):
   ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
   row = {"shape": shape, "flops": 2 * big_m * k * n}
 
+  timed = {}  # name -> f, for the further rounds
+  ours = {}  # name -> (kernel, config), for --trace-dir
+
   def run(name, f, cfg=None):
     try:
       poison(big_m * n * 4)
@@ -96,7 +122,9 @@ def bench(shape, args):
       return
     err = rel_error(out, ref)
     row[f"{name}_us"], row[f"{name}_rel_err"] = t, err
+    row[f"{name}_rounds_us"] = [t]
     row[f"{name}_kernels"] = names
+    timed[name] = f
     if cfg is not None:
       row[f"{name}_config"] = cfg
     if not err < 2e-2:
@@ -106,23 +134,85 @@ def bench(shape, args):
   run("cublas", jax.jit(jnp.dot))
   m_shard = big_m // 2
   ag = selection.select_config(m_shard, k, n, dtype, 2)
-  ag_core = dataclasses.replace(ag, sender_sms=0)
+  # The senders (and what only they use) off: one device has no ring.
+  ag_core = dataclasses.replace(ag, sender_sms=0, k_major_sends=False,
+                                sender_announce_lag=None)
   rs = selection.select_reduce_scatter_config(m_shard, k, n, dtype, 2)
   with jax.set_mesh(mesh):
     shmap = lambda fn: jax.jit(jax.shard_map(
         fn, in_specs=(P(), P()), out_specs=P(), check_vma=False))
-    run("ours_ag", shmap(functools.partial(
-        kernels.all_gather_lhs_matmul, axis_name="x", config=ag_core)),
-        dataclasses.asdict(ag))
-    run("ours_rs", shmap(functools.partial(
-        kernels.matmul_reduce_scatter, axis_name="x", config=rs)),
-        dataclasses.asdict(rs))
-  for cluster in (None, "m", "n"):
+    def run_ours(name, kernel, cfg, record=None):
+      ours[name] = (kernel, cfg)
+      run(name, shmap(functools.partial(kernel, axis_name="x", config=cfg)),
+          dataclasses.asdict(record or cfg))
+
+    run_ours("ours_ag", kernels.all_gather_lhs_matmul, ag_core, record=ag)
+    run_ours("ours_rs", kernels.matmul_reduce_scatter, rs)
+    for name, fields in args.variant:
+      # rs_*: the reduce-scatter kernel's config varied, else the
+      # all-gather's.
+      kernel, base = ((kernels.matmul_reduce_scatter, rs)
+                      if name.startswith("rs_") else
+                      (kernels.all_gather_lhs_matmul, ag_core))
+      try:
+        cfg = dataclasses.replace(base, **fields)
+      except (TypeError, ValueError) as e:  # Reported, like a misfit.
+        row[f"ours_{name}_error"] = f"{type(e).__name__}: {e}"
+        print(f"{shape} ours_{name}: {e}", flush=True)
+        continue
+      run_ours(f"ours_{name}", kernel, cfg)
+  for cluster in (() if args.skip_upstream else (None, "m", "n")):
     cfg = upstream_config(ag_core, cluster)
     run(f"upstream_{cluster or 'none'}", jax.jit(
         lambda x, y, cfg=cfg: hm.matmul(x, y, None, config=cfg)),
         str(cfg))
+  for _ in range(args.rounds - 1):
+    for name, f in timed.items():
+      with jax.set_mesh(mesh):
+        _, t, _ = kernel_time_us(f, a, b, iterations=args.iterations)
+      row[f"{name}_rounds_us"].append(t)
+  for name in timed:
+    row[f"{name}_us"] = statistics.median(row[f"{name}_rounds_us"])
+  if args.rounds > 1:
+    print(f"{shape:>18} medians over {args.rounds} rounds: " + ", ".join(
+        f"{name} {row[name + '_us']:.1f}" for name in timed), flush=True)
+  if args.trace_dir:
+    for name, (kernel, cfg) in ours.items():
+      if name in timed:
+        trace(row, name, kernel, cfg, a, b, ref, mesh, args)
   return row
+
+
+def trace(row, name, kernel, cfg, a, b, ref, mesh, args):
+  """Runs `kernel` once more under `trace_warpgroups`; keeps its trace in
+  --trace-dir, its summary in the row, and checks its result too."""
+  big_m, n = a.shape[0], b.shape[1]
+  tiles = math.ceil(big_m / cfg.cta_tile_m) * math.ceil(n / cfg.cta_tile_n)
+  per_block = math.ceil(tiles / jax.devices()[0].core_count)
+  ranges = 2 * per_block + 4  # mma and epilogue per tile, and a margin.
+  dest = os.path.join(args.trace_dir,
+                      f"{row['shape'].replace('/', 'x')}_{name}.json")
+
+  def build():
+    return jax.jit(jax.shard_map(
+        functools.partial(kernel, axis_name="x", config=cfg),
+        in_specs=(P(), P()), out_specs=P(), check_vma=False))
+
+  try:
+    poison(big_m * n * 4)
+    out, summary = warpgroup_trace.run_traced(build, (a, b), ranges, dest,
+                                              mesh=mesh)
+  except Exception as e:  # Reported: e.g. no room for the trace.
+    row[f"{name}_trace_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"{row['shape']} {name} trace failed: {e}", flush=True)
+    return
+  summary["rel_err"] = rel_error(out, ref)
+  if not summary["rel_err"] < 2e-2:
+    print(f"!! {row['shape']} {name} traced: rel err {summary['rel_err']}",
+          flush=True)
+  row[f"{name}_trace"] = summary
+  print(f"{row['shape']:>18} {name:<14} " + warpgroup_trace.one_line(summary)
+        + f" (untraced {row[name + '_us']:.1f} us)", flush=True)
 
 
 def main():
@@ -130,15 +220,34 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=SHAPES,
                       help="whole GEMMs M/K/N (bf16)")
   parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time every method this many times, round-robin;"
+                      " report the median")
+  parser.add_argument("--variant", action="append", default=[],
+                      metavar="NAME=JSON",
+                      help="also time the all-gather core config (rs_NAME: "
+                      "the reduce-scatter's) with these fields replaced, as "
+                      "ours_NAME (repeatable)")
+  parser.add_argument("--skip-upstream", action="store_true",
+                      help="do not time JAX's hopper matmul")
+  parser.add_argument("--trace-dir", default=None,
+                      help="also trace each of our configs once (warpgroup "
+                      "phases) into this directory")
   parser.add_argument("--out", default="gemm_core.json")
   args = parser.parse_args()
+  if args.trace_dir:
+    os.makedirs(args.trace_dir, exist_ok=True)
+  try:
+    args.variant = [parse_variant(v) for v in args.variant]
+  except ValueError as e:
+    parser.error(str(e))
   for shape in args.shapes:
     dims = shape.split("/")
     if len(dims) != 3 or not all(x.isdigit() and int(x) > 0 for x in dims):
       parser.error(f"--shapes {shape!r}: expected M/K/N, three positive "
                    "integers (e.g. 16384/4096/2048)")
-  if args.iterations < 1:
-    parser.error("--iterations must be >= 1")
+  if args.iterations < 1 or args.rounds < 1:
+    parser.error("--iterations and --rounds must be >= 1")
   rows = []
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -146,7 +255,9 @@ def main():
     rows.append(bench(shape, args))
     with open(args.out, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  names = ["ours_ag", "ours_rs", "upstream_none", "upstream_m", "upstream_n"]
+  names = ["ours_ag", "ours_rs"] + [f"ours_{v}" for v, _ in args.variant]
+  if not args.skip_upstream:
+    names += ["upstream_none", "upstream_m", "upstream_n"]
   print("\n| M/K/N | cuBLAS us | " + " | ".join(f"{x} / cuBLAS" for x in names)
         + " |")
   print("|---" * (len(names) + 2) + "|")

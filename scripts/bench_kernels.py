@@ -20,6 +20,9 @@ kernels' times drift between back-to-back readings. Every method's result is che
 except a config run in loopback (`"loopback": true` in its --config /
 --rs-config JSON: every device sends to itself, the kernel's
 `_diagnostic_loopback`, to time what NVLink costs; WRONG RESULTS by design).
+With --trace-dir DIR each of our kernels also runs once under
+`kernels.trace_warpgroups`: per tile, its k loop, epilogue and waits, in
+SM cycles (scripts/warpgroup_trace.py reads and plots the traces).
 
   python scripts/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
 """
@@ -46,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import collective_matmul as cm
 from collective_matmul.autotuning import kernel_time_us
+import warpgroup_trace  # pylint: disable=g-bad-import-order
 
 cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
 
@@ -87,6 +91,29 @@ class Timer:
         self.row[f"{key}_rounds_us"].append(scale * t)
     for key in self.methods:
       self.row[f"{key}_us"] = statistics.median(self.row[f"{key}_rounds_us"])
+
+
+def trace_method(row, key, build, operands, config, m, n, mesh, args):
+  """With --trace-dir: runs our kernel (`build()` jits it) once more under
+  `kernels.trace_warpgroups`, keeps the trace and puts its summary in the
+  row as `<key>_trace` (see scripts/warpgroup_trace.py)."""
+  if not args.trace_dir:
+    return
+  d = jax.device_count()
+  tiles = d * -(-m // config.cta_tile_m) * -(-n // config.cta_tile_n)
+  blocks = jax.devices()[0].core_count - getattr(config, "sender_sms", 0)
+  ranges = 3 * -(-tiles // blocks) + 4  # mma, epilogue, a wait per tile.
+  name = f"{row.get('pattern', 'all_gather')}_{row['shape']}_{key}"
+  dest = os.path.join(args.trace_dir, name.replace("/", "x") + ".json")
+  try:
+    _, summary = warpgroup_trace.run_traced(build, operands, ranges, dest,
+                                            mesh=mesh)
+  except Exception as e:  # Reported: e.g. no room for the trace.
+    row[f"{key}_trace_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"{name} trace failed: {e}", flush=True)
+    return
+  row[f"{key}_trace"] = summary
+  print(f"{name}: {warpgroup_trace.one_line(summary)}", flush=True)
 
 
 def one_device_mesh():
@@ -175,12 +202,28 @@ def parse_config(config_class, text):
   """(config, loopback) from a --config / --rs-config JSON object.
 
   "loopback" (or its old name "loopback_for_timing") is not a config field
-  but the kernel call's diagnostic switch.
+  but the kernel call's diagnostic switch. With "selected": true the other
+  fields replace those of the config `selection` picks for each shape, and
+  `config` is a function of that config.
   """
   fields = json.loads(text)
   loopback = bool(fields.pop("loopback", False)
                   | fields.pop("loopback_for_timing", False))
+  if fields.pop("selected", False):
+    names = {f.name for f in dataclasses.fields(config_class)}
+    if not set(fields) <= names:
+      raise ValueError(f"{sorted(set(fields) - names)} are no fields of "
+                       f"{config_class.__name__}")
+    return (lambda picked: dataclasses.replace(picked, **fields)), loopback
   return config_class(**fields), loopback
+
+
+def resolve_config(cfg, picked):
+  """A parsed config (`parse_config`) for a shape whose picked config is
+  `picked`: the picked one (None), a fixed one, or the picked one patched."""
+  if cfg is None:
+    return picked
+  return cfg(picked) if callable(cfg) else cfg
 
 
 def seed_configs():
@@ -259,7 +302,7 @@ def bench_shape(m, k, n, dtype_name, args):
     configs = [(None, False)] + [parse_config(kernels.AllGatherConfig, c)
                                  for c in args.config]
     for i, (cfg, loopback) in enumerate(configs):
-      chosen = cfg or selection.select_config(m, k, n, dtype, d)
+      chosen = resolve_config(cfg, selection.select_config(m, k, n, dtype, d))
       key = "ours" if i == 0 else f"ours_cfg{i}"
       if loopback:
         f = shmap(functools.partial(kernels.all_gather_lhs_matmul,
@@ -285,6 +328,10 @@ def bench_shape(m, k, n, dtype_name, args):
           np.array_equal(again, np.asarray(out, np.float32)))
       row[f"{key}_config"] = dataclasses.asdict(chosen)
       row[f"{key}_kernels"] = names
+      if not loopback:
+        trace_method(row, key, lambda chosen=chosen: shmap(functools.partial(
+            cm.all_gather_matmul, axis_name="x", impl="pallas",
+            kernel_config=chosen)), (a, b), chosen, m, n, mesh, args)
 
     ring = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
                                    impl="ring"))
@@ -341,8 +388,8 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
     configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
                                  for c in args.rs_config]
     for i, (cfg, loopback) in enumerate(configs):
-      chosen = cfg or selection.select_reduce_scatter_config(m, k, n, dtype,
-                                                             d)
+      chosen = resolve_config(cfg, selection.select_reduce_scatter_config(
+          m, k, n, dtype, d))
       key = "ours" if i == 0 else f"ours_cfg{i}"
       f = shmap(functools.partial(kernels.matmul_reduce_scatter,
                                   axis_name="x", config=chosen,
@@ -361,6 +408,10 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
       again = np.asarray(f(a, b), np.float32)
       row[f"{key}_repeat_identical"] = bool(
           np.array_equal(again, np.asarray(out, np.float32)))
+      if not loopback:
+        trace_method(row, key, lambda chosen=chosen: shmap(functools.partial(
+            kernels.matmul_reduce_scatter, axis_name="x", config=chosen)),
+            (a, b), chosen, m, n, mesh, args)
     timer.finish()
   if args.windowed and d > 1:
     row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name,
@@ -376,7 +427,9 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=SHAPES)
   parser.add_argument("--config", action="append", default=[],
                       help="extra kernel config as JSON (repeatable; "
-                      '"loopback": true times it in loopback)')
+                      '"loopback": true times it in loopback; "selected": '
+                      "true: the fields replace those of each shape's "
+                      "picked config)")
   parser.add_argument("--skip-seed", action="store_true")
   parser.add_argument("--windowed", action="store_true")
   parser.add_argument("--rs-shapes", nargs="*", default=RS_SHAPES,
@@ -389,8 +442,14 @@ def main():
   parser.add_argument("--rounds", type=int, default=1,
                       help="time every method this many times, round-robin "
                       "(the median is reported; see Timer)")
+  parser.add_argument("--trace-dir", default=None,
+                      help="also run each of our kernels once under "
+                      "kernels.trace_warpgroups: traces into this directory, "
+                      "per-tile figures into the row (<key>_trace)")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
+  if args.trace_dir:
+    os.makedirs(args.trace_dir, exist_ok=True)
   if args.rounds < 1 or args.iterations < 1:
     parser.error("--rounds and --iterations must be >= 1")
   rows = []

@@ -1,11 +1,14 @@
 """The one helper module of the tests: meshes, inputs, references, the
-tolerances and the compiled-program helpers (the seed fixtures `keys` and
-`rng` are in conftest.py)."""
+tolerances, the compiled-program helpers and the scripts as modules (the
+seed fixtures `keys` and `rng` are in conftest.py)."""
 from __future__ import annotations
 
 import difflib
 import functools
+import importlib
+import os
 import re
+import sys
 
 import jax
 from jax.sharding import AxisType
@@ -14,6 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 
 DN_LAST = lambda ndim: (((ndim - 1,), (0,)), ((), ()))  # x[..., k] @ w[k, n]
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "scripts")
+
+
+def import_script(name):
+  """scripts/<name>.py as a module, for its functions."""
+  sys.path.insert(0, SCRIPTS)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.pop(0)
 
 
 def mesh_1d(d, axis_type=AxisType.Explicit, name="x"):

@@ -310,15 +310,20 @@ def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
     than the chaining saved (1990.8 against 1959.0 us).
 
   Not with k-major senders (one wave per step: each SM runs one tile per
-  ring step, and the seed shape was 1 us slower chained). Only where the
-  pipeline's steps are a multiple of its depth (`kernels.common.can_chain`).
+  ring step, and the seed shape was 1 us slower chained).
+
+  With the senders, also where the pipeline's steps are no multiple of its
+  depth (`kernels.common._OffsetChain`): 949.0 against 956.1 us at
+  8192/5504/4096 (86 k steps, 4 stages; every one of 3 rounds faster,
+  kernel_lead run 42). The eager branch only where they are (measured so).
   """
-  k_iters = (k + padding(config, 0, k, 0).k) // config.tile_k
-  if axis_size != 2 or k_iters % config.max_concurrent_steps:
+  if axis_size != 2:
     return config
   if config.sender_sms and not config.k_major_sends:
     return dataclasses.replace(config, chain_tiles=True)
-  if not config.sender_sms and n <= CHAIN_EAGER_MAX_N:
+  k_iters = (k + padding(config, 0, k, 0).k) // config.tile_k
+  if (not config.sender_sms and n <= CHAIN_EAGER_MAX_N
+      and k_iters % config.max_concurrent_steps == 0):
     return dataclasses.replace(config, eager_release=True, chain_tiles=True)
   return config
 

@@ -41,6 +41,13 @@ CONFIGS = [
     kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0),
     kernels.AllGatherConfig(tile_n=64, tile_k=128, max_concurrent_steps=3,
                             sender_sms=4, k_major_sends=True),
+    # Chained at 3 stages (k steps no multiple of 3: `_OffsetChain`).
+    kernels.AllGatherConfig(eager_release=True, chain_tiles=True,
+                            max_concurrent_steps=3),
+    kernels.AllGatherConfig(sender_sms=4, k_major_sends=True, chain_tiles=True,
+                            max_concurrent_steps=3),
+    kernels.AllGatherConfig(sender_sms=4, chain_tiles=True,
+                            max_concurrent_steps=3),
 ]
 
 

@@ -54,7 +54,6 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
 
 # Announce inside the k loop (k = 3200: 2 steps before its end) or after it
 # (k = 1536, and the unpaced and late variants); a one-step k loop (k = 64).
-@pytest.mark.skipif(HOPPER_COUNT < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("config,k", [
     (None, 3200), (None, 1536), (None, 64),
     (kernels.ReduceScatterConfig(early_announce=False), 1024),
@@ -63,11 +62,18 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
                                  send_pieces=4, send_gap=3), 1024),
     (kernels.ReduceScatterConfig(chain_tiles=True), 1024),
     (kernels.ReduceScatterConfig(tile_n=64, send_pieces=4, send_gap=6,
-                                 chain_tiles=True), 4096)],
+                                 chain_tiles=True), 4096),
+    # 3 stages chained: 16 and 1 k steps, no multiple of 3 (`_OffsetChain`).
+    (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
+                                 send_pieces=2, chain_tiles=True), 1024),
+    (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
+                                 send_pieces=2, chain_tiles=True), 64)],
     ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces",
-         "chained", "chained_small_tiles"])
+         "chained", "chained_small_tiles", "chained_3_stages",
+         "chained_3_stages_one_k_step"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
-  d, m, n = 2, 512, 768
+  """On 2 GPUs the ring; on one, the same kernel's core (no ring)."""
+  d, m, n = min(2, HOPPER_COUNT), 512, 768
   with jax.set_mesh(_mesh(d)):
     a = jax.sharding.reshard(jax.random.normal(
         jax.random.key(k), (d * m, d * k), jnp.bfloat16), P(None, "x"))

@@ -87,3 +87,28 @@ def test_every_round_runs_under_the_mesh_its_method_was_timed_with(
     timer.time("local", local, a, b, mesh=mesh)
     timer.finish()
   assert row["bound_rounds_us"] == row["local_rounds_us"] == [1.0, 1.0]
+
+
+def test_a_config_can_patch_each_shapes_picked_config():
+  """`"selected": true` replaces fields of the config selection picks per
+  shape; without it the JSON is the whole config; unknown fields fail."""
+  bench = _bench_kernels()
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  picked = kernels.ReduceScatterConfig(send_gap=6, send_pieces=4,
+                                       epi_tile_n=128)
+  patch, loopback = bench.parse_config(
+      kernels.ReduceScatterConfig,
+      '{"selected": true, "chain_tiles": true, "loopback": true}')
+  assert loopback
+  assert bench.resolve_config(patch, picked) == kernels.ReduceScatterConfig(
+      send_gap=6, send_pieces=4, epi_tile_n=128, chain_tiles=True)
+  whole, loopback = bench.parse_config(kernels.ReduceScatterConfig,
+                                       '{"chain_tiles": true}')
+  assert not loopback
+  assert bench.resolve_config(whole, picked) == kernels.ReduceScatterConfig(
+      chain_tiles=True)
+  assert bench.resolve_config(None, picked) is picked
+  import pytest  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="no fields"):
+    bench.parse_config(kernels.ReduceScatterConfig,
+                       '{"selected": true, "chain": true}')

@@ -52,7 +52,13 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0),
            kernels.AllGatherConfig(tile_n=64, tile_k=128,
                                    max_concurrent_steps=3, sender_sms=4,
-                                   k_major_sends=True)]
+                                   k_major_sends=True),
+           kernels.AllGatherConfig(eager_release=True, chain_tiles=True,
+                                   max_concurrent_steps=3),
+           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
+                                   chain_tiles=True, max_concurrent_steps=3),
+           kernels.AllGatherConfig(sender_sms=4, chain_tiles=True,
+                                   max_concurrent_steps=3)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
@@ -77,7 +83,10 @@ RS_CONFIGS = [None, kernels.ReduceScatterConfig(early_announce=False),
               kernels.ReduceScatterConfig(spread_sends=False, send_gap=2),
               kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=4,
                                           send_gap=3, max_concurrent_steps=3),
-              kernels.ReduceScatterConfig(chain_tiles=True)]
+              kernels.ReduceScatterConfig(chain_tiles=True),
+              kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=2,
+                                          max_concurrent_steps=3,
+                                          chain_tiles=True)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
@@ -215,3 +224,73 @@ def test_each_kernel_takes_only_its_own_config(kernel, wrong, specs):
     with pytest.raises(TypeError, match=re.escape(f"config={wrong!r}")):
       jax.eval_shape(f, _spec(mesh, (1024, 512), specs[0]),
                      _spec(mesh, (512, 256), specs[1]))
+
+
+def _trace_both_kernels(mesh, config=None, rs_config=None):
+  with jax.set_mesh(mesh):
+    gather = jax.shard_map(
+        functools.partial(kernels.all_gather_lhs_matmul, axis_name="x",
+                          config=config or kernels.AllGatherConfig()),
+        out_specs=P(None, "x"), check_vma=False)
+    jax.eval_shape(gather, _spec(mesh, (1024, 512), P("x", None)),
+                   _spec(mesh, (512, 1024), P(None, "x")))
+    scatter = jax.shard_map(
+        functools.partial(kernels.matmul_reduce_scatter, axis_name="x",
+                          config=rs_config or kernels.ReduceScatterConfig()),
+        out_specs=P("x", None), check_vma=False)
+    jax.eval_shape(scatter, _spec(mesh, (1024, 1024), P(None, "x")),
+                   _spec(mesh, (1024, 512), P("x", None)))
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_trace_warpgroups_asks_mosaic_for_its_profile(d, monkeypatch,
+                                                       tmp_path):
+  """Inside `trace_warpgroups` both kernels are built with the on-device
+  profiler on (its space and directory); outside, without."""
+  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  seen = []
+  real_kernel = common.plgpu.kernel
+
+  def spy(body, **kwargs):
+    seen.append(kwargs["compiler_params"])
+    return real_kernel(body, **kwargs)
+
+  monkeypatch.setattr(common.plgpu, "kernel", spy)
+  mesh = _mesh(d)
+  with kernels.trace_warpgroups(tmp_path, ranges_per_warpgroup=40):
+    _trace_both_kernels(mesh)
+  _trace_both_kernels(mesh)
+  assert [(p.profile_space, p.profile_dir) for p in seen] == [
+      (40, str(tmp_path))] * 2 + [(0, "")] * 2
+
+
+def test_trace_warpgroups_counts_its_shared_memory(tmp_path):
+  """The default all-gather config leaves about 2.8 KB of shared memory: 40
+  ranges (1.9 KB) fit, 100 (4.8 KB) are refused, naming the trace."""
+  mesh = _mesh(2)
+  full = kernels.AllGatherConfig(tile_n=128, wg_dimension="n",
+                                 max_concurrent_steps=4, epi_tile_n=64)
+  with kernels.trace_warpgroups(tmp_path, ranges_per_warpgroup=40):
+    _trace_both_kernels(mesh, config=full)
+  with kernels.trace_warpgroups(tmp_path, ranges_per_warpgroup=100):
+    with pytest.raises(ValueError, match="4800 for `trace_warpgroups`"):
+      _trace_both_kernels(mesh, config=full)
+  with pytest.raises(ValueError, match="ranges_per_warpgroup"):
+    with kernels.trace_warpgroups(tmp_path, ranges_per_warpgroup=0):
+      pass
+
+
+def test_a_chain_off_the_depth_needs_its_first_step():
+  """A chained pipeline whose k steps are no multiple of its depth runs on
+  `_OffsetChain`, which has to know where the block's slots stand."""
+  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  kwargs = dict(cta_tile_m=128, cta_tile_n=256, tile_k=64, dtype=jnp.bfloat16,
+                max_concurrent_steps=3, delay_release=0, chained=True)
+  with pytest.raises(ValueError, match="needs first_step"):
+    common.matmul_pipeline(None, None, k_iters=16, **kwargs)
+  assert isinstance(common.matmul_pipeline(None, None, k_iters=16,
+                                           first_step=0, **kwargs),
+                    common._OffsetChain)  # pylint: disable=protected-access
+  assert not isinstance(common.matmul_pipeline(None, None, k_iters=15,
+                                               **kwargs),
+                        common._OffsetChain)  # pylint: disable=protected-access

@@ -424,24 +424,28 @@ def test_wide_sender_chunks_where_all_steps_are_one_wave(
 
 
 @pytest.mark.parametrize("m,k,n,d,eager,chained", [
-    # Balanced dedicated senders (by rows): chained.
+    # Balanced dedicated senders (by rows): chained, also where k's 86
+    # steps are no multiple of the 4 stages (`_OffsetChain`, run 42).
     (8192, 4096, 6144, 2, False, True),
     (8192, 4096, 5504, 2, False, True),
+    (8192, 5504, 4096, 2, False, True),
     # The tiles' own sends up to n = 4096: released eagerly, chained.
     (8192, 4096, 2048, 2, True, True),
     (2048, 4096, 4096, 2, True, True),
     # Not above (n = 11008: the eager release cost more), not with
     # k-major senders (one wave per step), not at D = 4 (unmeasured), and
-    # not where the pipeline's steps are no multiple of its depth.
+    # eagerly released tiles not where the pipeline's steps are no
+    # multiple of its depth (not measured so).
     (8192, 4096, 11008, 2, False, False),
     (1024, 4096, 4096, 2, False, False),
     (8192, 4096, 2048, 4, False, False),
     (8192, 4160, 2048, 2, False, False),
+    (8192, 5504, 2048, 2, False, False),
 ])
 def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
   config = selection.select_config(m, k, n, "bfloat16", d)
   assert (config.eager_release, config.chain_tiles) == (eager, chained)
-  if chained:
+  if config.eager_release:
     k_iters = -(-k // config.tile_k)
     assert k_iters % config.max_concurrent_steps == 0
 
@@ -520,3 +524,4 @@ def test_reduce_scatter_tiles_fill_a_ring_step(m, k, n, d, tiles, pacing):
   assert (config.cta_tile_m, config.cta_tile_n) == tiles
   if pacing:
     assert (config.send_pieces, config.send_gap) == pacing
+

@@ -19,6 +19,7 @@ _LAZY = {
     "AllGatherConfig": "configs",
     "ReduceScatterConfig": "configs",
     "TileConfig": "configs",
+    "trace_warpgroups": "common",
 }
 __all__ = sorted(_LAZY)
 

@@ -122,8 +122,9 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       row block has landed."""
       if not k_major:
         signals = plan.unit_signals(m_idx) if sender_sms else num_senders
-        pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
-                          decrement=False)
+        with common.phase("wait_arrival"):
+          pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
+                            decrement=False)
 
     def wait_k_group(kk):
       """K-major: before a later step's tile loads k block kk, the first of

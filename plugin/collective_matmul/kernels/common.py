@@ -3,6 +3,8 @@ and the skeleton they run (`ring_tile_loop`), whose hooks each collective
 fills."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -43,7 +45,8 @@ def swizzled(dtype, cols: int):
 
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
-                    delay_release=1, before_load=None, chained=False):
+                    delay_release=1, before_load=None, chained=False,
+                    first_step=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -59,10 +62,22 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   its own, it loads each step as soon as the compute warpgroups freed its
   slot, possibly still in the previous pipeline, and does not wait for
   the last steps to be consumed. `chain_slots_free` must have freed every
-  slot once before the first. Needs `delay_release=0` and `k_iters` a
-  multiple of `max_concurrent_steps`.
+  slot once before the first. Needs `delay_release=0`. JAX's pipeline
+  chains only where `k_iters` is a multiple of `max_concurrent_steps`
+  (every pipeline starts at slot 0); elsewhere `_OffsetChain` runs it,
+  from slot `first_step % max_concurrent_steps`, `first_step` being the
+  block's pipeline steps before this one (its tiles so far x `k_iters`).
   """
   order = k_order or (lambda kk: kk)
+  if chained and k_iters % max_concurrent_steps:
+    if first_step is None:
+      raise ValueError("a chained pipeline whose steps are no multiple of "
+                       "its depth needs first_step")
+    return _OffsetChain(
+        body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
+        tile_k=tile_k, k_iters=k_iters, dtype=dtype,
+        stages=max_concurrent_steps, order=order, before_load=before_load,
+        first_step=first_step)
 
   def a_block(kk):
     # JAX's pipeline evaluates an input's index map only where the memory
@@ -94,11 +109,99 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   )
 
 
+# Registers per thread: the memory warpgroup's, and what that leaves each of
+# the 2 compute warpgroups of the 64 K register file (as JAX's pipeline
+# splits it: at most 255, rounded down to a multiple of 8).
+MEMORY_REGISTERS = 40
+COMPUTE_REGISTERS = int(min(256, (512 - MEMORY_REGISTERS) / 2) // 8 * 8)
+
+
+class _OffsetChain:
+  """A chained warp-specialized k loop whose slots continue from the
+  previous tile's (`matmul_pipeline` with `chained=True` where `k_iters` is
+  no multiple of the depth; JAX's pipeline restarts at slot 0 and so
+  refuses those). Pipeline step kk uses slot (first_step + kk) % stages:
+  the memory warpgroup waits until the compute warpgroups freed that slot
+  (`consumed`, 2 arrivals), runs `before_load(kk)`, then TMA-loads A's and
+  B's k block `order(kk)` into it (`produced`, one arrival per copy); the
+  compute warpgroups wait for it, run `body((kk,), a, b, carry)` and free
+  it at once. Allocations have the layout of JAX's, so `chain_slots_free`
+  and the skeleton's allocation are the same for both."""
+
+  def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
+               k_iters, dtype, stages, order, before_load, first_step):
+    self.body, self.compute_context = body, compute_context
+    self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
+                                                     tile_k)
+    self.k_iters, self.stages, self.order = k_iters, stages, order
+    self.before_load, self.first_step = before_load, first_step
+    self.transforms = swizzled(dtype, tile_k)
+
+  def get_allocations(self, a_ref, b_ref):
+    return dict(
+        flat_in_smem_refs=[
+            plgpu.SMEM((self.stages, self.cta_tile_m, self.tile_k),
+                       a_ref.dtype, transforms=self.transforms),
+            plgpu.SMEM((self.stages, self.tile_k, self.cta_tile_n),
+                       b_ref.dtype, transforms=self.transforms)],
+        flat_out_smem_refs=[],
+        flat_produced_barrier_refs=[
+            plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)],
+        flat_consumed_barrier_refs=[
+            plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)])
+
+  def __call__(self, a_ref, b_ref, *, allocations):
+    a_smem, b_smem = allocations["flat_in_smem_refs"]
+    [produced] = allocations["flat_produced_barrier_refs"]
+    [consumed] = allocations["flat_consumed_barrier_refs"]
+    tile_k = self.tile_k
+
+    def slot(kk):
+      return lax.rem(self.first_step + kk, self.stages)
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+      @pl.loop(0, self.k_iters)
+      def _load(kk):
+        s = slot(kk)
+        plgpu.barrier_wait(consumed.at[s])
+        if self.before_load is not None:
+          self.before_load(kk)
+        cols = pl.ds(self.order(kk) * tile_k, tile_k)
+        plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(0, self.cta_tile_m), cols],
+                                a_smem.at[s], produced.at[s])
+        plgpu.copy_gmem_to_smem(b_ref.at[cols, pl.ds(0, self.cta_tile_n)],
+                                b_smem.at[s], produced.at[s])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+      def run(carry):
+        def step(kk, carry):
+          s = slot(kk)
+          plgpu.barrier_wait(produced.at[s])
+          carry = self.body((kk,), a_smem.at[s], b_smem.at[s], carry)
+          plgpu.barrier_arrive(consumed.at[s])
+          # As JAX's pipeline does after every step (the bodies' sends
+          # count TMA store groups the same way under both).
+          plgpu.commit_smem_to_gmem_group()
+          return carry
+        return lax.fori_loop(0, self.k_iters, step, carry)
+
+      self.compute_context(run)
+
+
+
 def can_chain(config, k_iters: int, delay_release: int) -> bool:
   """Whether a tile's pipeline may start loading while the previous tile's
   finishes (`matmul_pipeline(chained=True)`)."""
-  return (config.chain_tiles and delay_release == 0
-          and k_iters % config.max_concurrent_steps == 0)
+  del k_iters  # Any: `_OffsetChain` where JAX's pipeline cannot.
+  return config.chain_tiles and delay_release == 0
 
 
 def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps):
@@ -114,8 +217,63 @@ def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps):
       plgpu.barrier_arrive(consumed.at[slot])
 
 
+# ------------------------------------------------ warpgroup traces (diagnostics)
+
+
+class _Trace(NamedTuple):
+  dump_dir: str
+  ranges: int
+
+
+_TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar(
+    "collective_matmul_trace", default=None)
+# Shared memory of one traced range: 2 events of 2 words, per warpgroup.
+TRACE_BYTES_PER_RANGE = 3 * 2 * 2 * 4
+
+
+@contextlib.contextmanager
+def trace_warpgroups(dump_dir: str, ranges_per_warpgroup: int = 64):
+  """Diagnostics: kernels traced (jitted) inside this context record, on
+  every block and warpgroup, when each of the skeleton's phases (`PHASES`)
+  begins and ends, with Mosaic GPU's on-device profiler, and every call
+  writes a Chrome trace (`<ns>-trace.json`) into `dump_dir`. Times in the
+  trace are SM clock cycles from the block's first event (`ts` in "us" is
+  the block's global start time in ns plus those cycles, over 1000).
+
+  A range costs `TRACE_BYTES_PER_RANGE` bytes of shared memory, counted in
+  the kernels' shared-memory check; a warpgroup that records more ranges
+  than `ranges_per_warpgroup` corrupts the trace (JAX's profiler checks
+  this when it writes the trace). Re-jit to trace: a function traced
+  outside the context stays untraced.
+  """
+  if ranges_per_warpgroup < 1:
+    raise ValueError(f"{ranges_per_warpgroup=} must be >= 1")
+  token = _TRACE.set(_Trace(str(dump_dir), int(ranges_per_warpgroup)))
+  try:
+    yield
+  finally:
+    _TRACE.reset(token)
+
+
+def trace_smem_bytes() -> int:
+  """Shared memory the active `trace_warpgroups` adds per block (0 off)."""
+  trace = _TRACE.get()
+  return trace.ranges * TRACE_BYTES_PER_RANGE if trace else 0
+
+
+# The phases a traced kernel records (`jax.named_scope` names): a tile's k
+# loop and epilogue on each compute warpgroup, and the collectives' waits.
+PHASES = ("mma", "epilogue", "wait_arrival", "wait_partial_sum")
+phase = jax.named_scope
+
+
 def kernel_call(body, out_types):
-  """A persistent kernel: one block per SM, 3 warpgroups."""
+  """A persistent kernel: one block per SM, 3 warpgroups (traced under
+  `trace_warpgroups`)."""
+  params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  trace = _TRACE.get()
+  if trace is not None:
+    params.update(profile_space=trace.ranges, profile_dir=trace.dump_dir)
   return plgpu.kernel(
       body,
       out_type=out_types,
@@ -125,8 +283,7 @@ def kernel_call(body, out_types):
       cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(**params),
   )
 
 
@@ -158,9 +315,11 @@ def check_config(config, config_class):
 def check_shared_memory(config, dtype, out_dtype):
   smem = config.smem_bytes(jnp.dtype(dtype).itemsize,
                            jnp.dtype(out_dtype).itemsize)
-  if smem > configs.SMEM_BYTES:
-    raise ValueError(f"{config} needs {smem} bytes of shared memory, more "
-                     f"than the {configs.SMEM_BYTES} a Hopper block has")
+  traced = trace_smem_bytes()
+  if smem + traced > configs.SMEM_BYTES:
+    extra = f" plus {traced} for `trace_warpgroups`" if traced else ""
+    raise ValueError(f"{config} needs {smem} bytes of shared memory{extra}, "
+                     f"more than the {configs.SMEM_BYTES} a Hopper block has")
 
 
 def tile_plan(config, m, k, n, dtype, out_dtype, rows_per_batch):
@@ -398,7 +557,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
 
   chained = can_chain(config, grid.k_iters, delay_release)
 
-  def make_pipeline(body, compute_context, n_idx, before_load=None):
+  def make_pipeline(body, compute_context, n_idx, before_load=None,
+                    first_step=0):
     order = None
     if k_order is not None:
       order = lambda kk: k_order(kk, n_idx)
@@ -407,7 +567,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
-        chained=chained)
+        chained=chained, first_step=first_step)
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
@@ -453,8 +613,10 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
             pl.run_scoped,
             acc_ref=plgpu.ACC((config.tile_m, config.tile_n), jnp.float32))
         def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          epilogue(acc_ref)
+          with phase("mma"):
+            eval_pipeline(acc_ref)
+          with phase("epilogue"):
+            epilogue(acc_ref)
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
@@ -465,7 +627,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         return acc_ref
 
       def matmul(a_rows_ref, row):
-        make_pipeline(mma_body, compute_context, n_idx, hooks.before_load)(
+        make_pipeline(mma_body, compute_context, n_idx, hooks.before_load,
+                      loop_info.local_index * grid.k_iters)(
             a_rows_ref.at[pl.ds(row, cta_tile_m), :],
             b_ref.at[:, cta_n],
             allocations=pipeline_allocs)

@@ -150,8 +150,9 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         # drains.
         @pl.when(step > 0)
         def _receive_partial():
-          pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
-                            decrement=False)
+          with common.phase("wait_partial_sum"):
+            pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
+                              decrement=False)
           for i in range(min(2, num_epi)):
             load_partial(i)
 
