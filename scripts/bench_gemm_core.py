@@ -200,8 +200,9 @@ def trace(row, name, kernel, cfg, a, b, ref, mesh, args):
 
   try:
     poison(big_m * n * 4)
-    out, summary = warpgroup_trace.run_traced(build, (a, b), ranges, dest,
-                                              mesh=mesh)
+    out, summary = warpgroup_trace.run_traced(
+        build, (a, b), ranges, dest, mesh=mesh,
+        warmup_calls=args.trace_warmups)
   except Exception as e:  # Reported: e.g. no room for the trace.
     row[f"{name}_trace_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(f"{row['shape']} {name} trace failed: {e}", flush=True)
@@ -230,6 +231,9 @@ def main():
                       "ours_NAME (repeatable)")
   parser.add_argument("--skip-upstream", action="store_true",
                       help="do not time JAX's hopper matmul")
+  parser.add_argument("--trace-warmups", type=int, default=1,
+                      help="with --trace-dir: calls run (their traces "
+                      "dropped) before the traced one kept")
   parser.add_argument("--trace-dir", default=None,
                       help="also trace each of our configs once (warpgroup "
                       "phases) into this directory")
@@ -246,8 +250,9 @@ def main():
     if len(dims) != 3 or not all(x.isdigit() and int(x) > 0 for x in dims):
       parser.error(f"--shapes {shape!r}: expected M/K/N, three positive "
                    "integers (e.g. 16384/4096/2048)")
-  if args.iterations < 1 or args.rounds < 1:
-    parser.error("--iterations and --rounds must be >= 1")
+  if args.iterations < 1 or args.rounds < 1 or args.trace_warmups < 0:
+    parser.error("--iterations and --rounds must be >= 1, --trace-warmups "
+                 ">= 0")
   rows = []
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -106,8 +106,9 @@ def trace_method(row, key, build, operands, config, m, n, mesh, args):
   name = f"{row.get('pattern', 'all_gather')}_{row['shape']}_{key}"
   dest = os.path.join(args.trace_dir, name.replace("/", "x") + ".json")
   try:
-    _, summary = warpgroup_trace.run_traced(build, operands, ranges, dest,
-                                            mesh=mesh)
+    _, summary = warpgroup_trace.run_traced(
+        build, operands, ranges, dest, mesh=mesh,
+        warmup_calls=args.trace_warmups)
   except Exception as e:  # Reported: e.g. no room for the trace.
     row[f"{key}_trace_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(f"{name} trace failed: {e}", flush=True)
@@ -442,6 +443,9 @@ def main():
   parser.add_argument("--rounds", type=int, default=1,
                       help="time every method this many times, round-robin "
                       "(the median is reported; see Timer)")
+  parser.add_argument("--trace-warmups", type=int, default=1,
+                      help="with --trace-dir: calls run (their traces "
+                      "dropped) before the traced one kept")
   parser.add_argument("--trace-dir", default=None,
                       help="also run each of our kernels once under "
                       "kernels.trace_warpgroups: traces into this directory, "
@@ -450,8 +454,9 @@ def main():
   args = parser.parse_args()
   if args.trace_dir:
     os.makedirs(args.trace_dir, exist_ok=True)
-  if args.rounds < 1 or args.iterations < 1:
-    parser.error("--rounds and --iterations must be >= 1")
+  if args.rounds < 1 or args.iterations < 1 or args.trace_warmups < 0:
+    parser.error("--rounds and --iterations must be >= 1, --trace-warmups "
+                 ">= 0")
   rows = []
   versions = {"jax": jax.__version__, "devices": [str(x.device_kind) for x in
                                                   jax.devices()]}

@@ -146,9 +146,10 @@ def one_line(summary):
 
 
 def run_traced(build, operands, ranges: int, dest: str, mesh=None,
-               timing_iterations: int = 3):
+               timing_iterations: int = 3, warmup_calls: int = 1):
   """Jits `build()` inside `kernels.trace_warpgroups(tmp, ranges)` (under
-  `mesh`), runs it twice, copies the second call's trace to `dest` and returns
+  `mesh`), runs it `warmup_calls` times (their traces dropped), then once
+  more, copies that call's trace to `dest` and returns
   (its output, `summarize` of the trace plus `traced_us`, the traced
   kernel's CUPTI time). With D devices JAX writes a trace per device's
   kernel, or (JAX 0.11, one file name per kernel) the first one only; the
@@ -161,12 +162,14 @@ def run_traced(build, operands, ranges: int, dest: str, mesh=None,
     with kernels.trace_warpgroups(tmp, ranges), (
         jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
       f = build()
-      # A first call pays for first touches (e.g. of the peer's fresh
-      # buffers); its trace is dropped, the second call's kept.
-      jax.block_until_ready(f(*operands))
-      jax.effects_barrier()  # The trace is written by a host callback.
-      for path in glob.glob(os.path.join(tmp, "*-trace.json")):
-        os.remove(path)
+      # Earlier calls pay for first touches (e.g. of the peer's fresh
+      # buffers); their traces are dropped (JAX 0.11 writes one file per
+      # kernel name and does not overwrite it).
+      for _ in range(warmup_calls):
+        jax.block_until_ready(f(*operands))
+        jax.effects_barrier()  # The trace is written by a host callback.
+        for path in glob.glob(os.path.join(tmp, "*-trace.json")):
+          os.remove(path)
       out = jax.block_until_ready(f(*operands))
       jax.effects_barrier()
       written = sorted(glob.glob(os.path.join(tmp, "*-trace.json")))

@@ -100,3 +100,31 @@ def test_the_timeline_plot_is_written(tmp_path):
   assert (tmp_path / "t.png").stat().st_size > 1000
   with open(path) as f:
     assert json.load(f)["traceEvents"]
+
+
+def test_run_traced_keeps_the_trace_of_the_call_after_the_warmups(
+    tmp_path, monkeypatch):
+  """Each call of a traced kernel writes a trace into the active
+  `trace_warpgroups` directory (faked here: call i writes i + 1 tiles);
+  `run_traced` drops the warm-up calls' traces and keeps the next one's."""
+  wt = _script()
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def kernel(x):
+    calls.append(x)
+    trace_dir = common._TRACE.get().dump_dir  # pylint: disable=protected-access
+    tiles = [(1000, 200)] * len(calls)
+    _write_trace(f"{trace_dir}/{len(calls)}-trace.json",
+                 [[_tiles(*tiles), [], []]])
+    return x + 1
+
+  monkeypatch.setattr(autotuning, "kernel_time_us",
+                      lambda f, *a, iterations: (f(*a), 12.5, {}))
+  out, summary = wt.run_traced(lambda: kernel, (41,), 8,
+                               str(tmp_path / "kept.json"), warmup_calls=2)
+  assert out == 42
+  assert summary["tiles"] == 3  # The third call's trace.
+  assert summary["traced_us"] == 12.5 and summary["file"] == "kept.json"
+  assert len(calls) == 4  # 2 warm-ups, the traced call, the timing.
