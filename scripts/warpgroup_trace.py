@@ -7,7 +7,8 @@ tile's k loop (`mma`) and epilogue on the two compute warpgroups, and the
 collectives' waits. This script turns one such trace into figures:
 
   per tile    median cycles of `mma`, `epilogue` and the `gap` from the end
-              of a tile's epilogue to the start of the next tile's k loop
+              of a tile's epilogue to the start of the next tile's k loop,
+              over all tiles and by a block's tile index (its 1st, 2nd, ...)
   per block   the span from its first event to its last, and what share of
               it each phase takes (on compute warpgroup 0)
   tail        how far apart the blocks finish (from the blocks' global start
@@ -104,6 +105,18 @@ def summarize(tracks, sm_clock_mhz: float | None = None):
       totals[name] += e - b
     for name, total in totals.items():
       shares[name].append(total / span if span else 0.0)
+  # By a block's tile index (its 1st, 2nd, ... tile): where a ring's
+  # steps or a stall fall (e.g. step 0's tiles come first in a block).
+  by_index = collections.defaultdict(list)
+  for t in compute:
+    for i, phases in enumerate(tile_phases(t)):
+      by_index[i].append(phases)
+  per_index = [
+      {"index": i, "blocks": len(v),
+       "mma": _median([m for m, _, _ in v]),
+       "epilogue": _median([e for _, e, _ in v]),
+       "gap": _median([g for _, _, g in v if g is not None])}
+      for i, v in sorted(by_index.items())]
   out = {
       "blocks": len(compute),
       "tiles": len(mma),
@@ -116,6 +129,7 @@ def summarize(tracks, sm_clock_mhz: float | None = None):
       "median_share_of_span": {n: _median(v) for n, v in shares.items()},
       "block_span_cycles": {"median": _median(spans), "min": min(spans),
                             "max": max(spans)},
+      "per_tile_index": per_index,
   }
   if sm_clock_mhz:
     ends = [t["start_ns"] + (max(r[2] for r in t["ranges"]) * 1e3 /

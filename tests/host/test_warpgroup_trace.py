@@ -69,6 +69,11 @@ def test_per_tile_phases_and_block_spans(tmp_path):
   assert s["median_share_of_span"]["epilogue"] == pytest.approx(
       (400 / 2452 + 500 / 2782) / 2)
   assert s["ranges"] == {"mma": 4, "epilogue": 4}
+  # By a block's tile index: the 1st tiles (1000 and 1000 cycles of k
+  # loop; epilogues 200 and 300), the 2nd (1000 and 1200; gaps 50, 80).
+  assert s["per_tile_index"] == [
+      {"index": 0, "blocks": 2, "mma": 1000, "epilogue": 250, "gap": None},
+      {"index": 1, "blocks": 2, "mma": 1100, "epilogue": 200, "gap": 65}]
 
 
 def test_a_wait_nested_in_an_epilogue_is_kept(tmp_path):
