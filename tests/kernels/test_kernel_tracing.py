@@ -294,3 +294,11 @@ def test_a_chain_off_the_depth_needs_its_first_step():
   assert not isinstance(common.matmul_pipeline(None, None, k_iters=15,
                                                **kwargs),
                         common._OffsetChain)  # pylint: disable=protected-access
+
+
+def test_only_the_listed_phases_are_traced():
+  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  with common.phase("epilogue"):
+    pass
+  with pytest.raises(ValueError, match="not one of"):
+    common.phase("mma_loop")

@@ -196,7 +196,6 @@ class _OffsetChain:
       self.compute_context(run)
 
 
-
 def can_chain(config, k_iters: int, delay_release: int) -> bool:
   """Whether a tile's pipeline may start loading while the previous tile's
   finishes (`matmul_pipeline(chained=True)`)."""
@@ -235,15 +234,19 @@ TRACE_BYTES_PER_RANGE = 3 * 2 * 2 * 4
 def trace_warpgroups(dump_dir: str, ranges_per_warpgroup: int = 64):
   """Diagnostics: kernels traced (jitted) inside this context record, on
   every block and warpgroup, when each of the skeleton's phases (`PHASES`)
-  begins and ends, with Mosaic GPU's on-device profiler, and every call
-  writes a Chrome trace (`<ns>-trace.json`) into `dump_dir`. Times in the
-  trace are SM clock cycles from the block's first event (`ts` in "us" is
-  the block's global start time in ns plus those cycles, over 1000).
+  begins and ends, with Mosaic GPU's on-device profiler, and their calls
+  write Chrome traces (`*-trace.json`) into `dump_dir`: JAX 0.12 one per
+  call; JAX 0.11 one per kernel name, not overwritten, so only the first
+  call's (of the first device) is kept. Times in the trace are SM clock
+  cycles from the block's first event (`ts` in "us" is the block's global
+  start time in ns plus those cycles, over 1000);
+  scripts/warpgroup_trace.py reads them.
 
   A range costs `TRACE_BYTES_PER_RANGE` bytes of shared memory, counted in
-  the kernels' shared-memory check; a warpgroup that records more ranges
-  than `ranges_per_warpgroup` corrupts the trace (JAX's profiler checks
-  this when it writes the trace). Re-jit to trace: a function traced
+  the kernels' shared-memory check. A warpgroup that records more ranges
+  than `ranges_per_warpgroup` writes past its buffer into shared memory
+  next to it, so size it for the most tiles a block runs (the benchmark
+  scripts take 2-3 per tile, plus 4). Re-jit to trace: a function traced
   outside the context stays untraced.
   """
   if ranges_per_warpgroup < 1:
@@ -261,10 +264,17 @@ def trace_smem_bytes() -> int:
   return trace.ranges * TRACE_BYTES_PER_RANGE if trace else 0
 
 
-# The phases a traced kernel records (`jax.named_scope` names): a tile's k
-# loop and epilogue on each compute warpgroup, and the collectives' waits.
+# The phases a traced kernel records: a tile's k loop and epilogue on each
+# compute warpgroup, and the collectives' waits.
 PHASES = ("mma", "epilogue", "wait_arrival", "wait_partial_sum")
-phase = jax.named_scope
+
+
+def phase(name: str):
+  """A traced phase (`with phase("mma"): ...`): a `jax.named_scope`, which
+  Mosaic GPU's profiler records as a range; costs nothing untraced."""
+  if name not in PHASES:
+    raise ValueError(f"phase {name!r} is not one of {PHASES}")
+  return jax.named_scope(name)
 
 
 def kernel_call(body, out_types):
