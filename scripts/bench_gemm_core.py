@@ -17,8 +17,9 @@ JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
 name starting `rs_` the reduce-scatter's, to see which tiling choice costs
 what. With `--rounds R` every method of a shape is timed
 R times round-robin and the median is reported (clocks drift between
-back-to-back readings). With `--trace-dir DIR` each of our configs runs once
-more under `kernels.trace_warpgroups`: its warpgroup trace goes to DIR and
+back-to-back readings). With `--trace-dir DIR` each of our configs runs
+again under `kernels.trace_warpgroups` (`--trace-warmups` calls first): its
+warpgroup trace goes to DIR and
 its per-tile figures (`warpgroup_trace.summarize`: k loop, epilogue, the gap
 between tiles, the blocks' spans) into the row as `ours_*_trace`. Every
 result is checked against an f32 reference, with outputs poisoned.

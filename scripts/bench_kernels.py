@@ -20,9 +20,10 @@ kernels' times drift between back-to-back readings. Every method's result is che
 except a config run in loopback (`"loopback": true` in its --config /
 --rs-config JSON: every device sends to itself, the kernel's
 `_diagnostic_loopback`, to time what NVLink costs; WRONG RESULTS by design).
-With --trace-dir DIR each of our kernels also runs once under
-`kernels.trace_warpgroups`: per tile, its k loop, epilogue and waits, in
-SM cycles (scripts/warpgroup_trace.py reads and plots the traces).
+With --trace-dir DIR each of our kernels also runs under
+`kernels.trace_warpgroups` (--trace-warmups calls, then the one whose trace
+is kept): per tile, its k loop, epilogue and waits, in SM cycles
+(scripts/warpgroup_trace.py reads and plots the traces).
 
   python scripts/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
 """
@@ -94,9 +95,9 @@ class Timer:
 
 
 def trace_method(row, key, build, operands, config, m, n, mesh, args):
-  """With --trace-dir: runs our kernel (`build()` jits it) once more under
-  `kernels.trace_warpgroups`, keeps the trace and puts its summary in the
-  row as `<key>_trace` (see scripts/warpgroup_trace.py)."""
+  """With --trace-dir: runs our kernel (`build()` jits it) under
+  `kernels.trace_warpgroups` (`warpgroup_trace.run_traced`), keeps the
+  trace and puts its summary in the row as `<key>_trace`."""
   if not args.trace_dir:
     return
   d = jax.device_count()
