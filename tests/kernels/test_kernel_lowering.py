@@ -1,0 +1,94 @@
+"""The Hopper kernels lowered for CUDA on a machine without a GPU.
+
+With JAX >= 0.12 Pallas lowers a Mosaic GPU kernel to its MLIR (layout
+inference, barriers, TMA descriptors) without a GPU, so CI's Python 3.12
+stage catches what tracing alone cannot (an unsupported op, a layout Mosaic
+cannot infer) before a GPU run. JAX 0.10 fails layout inference off GPU for
+every config ("Failed to infer a possible set of layouts"), so the Python
+3.11 suite skips this file; the GPU machine runs 0.11, where tests/gpu
+checks the numerics. Kernels under `trace_warpgroups` cannot lower here:
+their trace is written by a host callback, which needs the CUDA backend
+(tests/gpu/test_kernel_traces.py covers them).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul import kernels
+
+_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+pytestmark = pytest.mark.skipif(
+    _VERSION < (0, 12), reason="Mosaic GPU lowers off GPU from JAX 0.12 on")
+
+AG = kernels.AllGatherConfig
+RS = kernels.ReduceScatterConfig
+ALL_GATHER = {
+    "default": AG(),
+    "eager_chained": AG(eager_release=True, chain_tiles=True),
+    "k_major_senders": AG(sender_sms=4, k_major_sends=True),
+    "by_rows_senders_chained": AG(sender_sms=4, chain_tiles=True),
+    # Chained off the pipeline depth (`_OffsetChain`), with each kind of send.
+    "offset_chain_eager": AG(eager_release=True, chain_tiles=True,
+                             max_concurrent_steps=3),
+    "offset_chain_k_major": AG(sender_sms=4, k_major_sends=True,
+                               chain_tiles=True, max_concurrent_steps=3),
+    "offset_chain_by_rows": AG(sender_sms=4, chain_tiles=True,
+                               max_concurrent_steps=3),
+    "wide_k_senders": AG(tile_n=64, tile_k=128, max_concurrent_steps=3,
+                         sender_sms=4, k_major_sends=True),
+}
+REDUCE_SCATTER = {
+    "default": RS(),
+    "whole_tile_epilogue": RS(epi_tile_n=128, max_concurrent_steps=3,
+                              send_pieces=4, send_gap=3),
+    "chained": RS(chain_tiles=True),
+    "offset_chain": RS(epi_tile_n=128, max_concurrent_steps=3,
+                       send_pieces=2, chain_tiles=True),
+}
+
+
+def _mesh(d):
+  return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _lower(mesh, fn, in_specs, shapes, out_spec):
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16,
+                               sharding=NamedSharding(mesh, spec))
+          for s, spec in zip(shapes, in_specs)]
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(fn, out_specs=out_spec, check_vma=False))
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _lower_all_gather(d, config, m=512, k=1024, n=512):
+  return _lower(_mesh(d), functools.partial(
+      kernels.all_gather_lhs_matmul, axis_name="x", config=config),
+                [P("x", None), P(None, "x")], [(d * m, k), (k, d * n)],
+                P(None, "x"))
+
+
+def _lower_reduce_scatter(d, config, m=512, k=1024, n=512):
+  return _lower(_mesh(d), functools.partial(
+      kernels.matmul_reduce_scatter, axis_name="x", config=config),
+                [P(None, "x"), P("x", None)], [(d * m, d * k), (d * k, n)],
+                P("x", None))
+
+
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("name", sorted(ALL_GATHER))
+def test_all_gather_kernel_lowers_for_cuda(name, d):
+  text = _lower_all_gather(d, ALL_GATHER[name])
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("name", sorted(REDUCE_SCATTER))
+def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
+  text = _lower_reduce_scatter(d, REDUCE_SCATTER[name])
+  assert "mosaic_gpu" in text
+
