@@ -92,3 +92,21 @@ def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
   text = _lower_reduce_scatter(d, REDUCE_SCATTER[name])
   assert "mosaic_gpu" in text
 
+
+
+# What `impl=auto` runs at D = 2: the seed shape, 512 rows, small problems
+# inside the boxes, llama2-7b's projections at tensor-sequence 2 (k = 5504:
+# chained off the pipeline depth) and a shape the table holds.
+SHAPES = ["1024/4096/4096", "512/4096/4096", "256/4096/4096", "128/4096/2048",
+          "8192/4096/2048", "8192/2048/4096", "8192/4096/5504",
+          "8192/5504/4096", "4096/7168/8192"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_picked_configs_lower_for_cuda(shape):
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  m, k, n = map(int, shape.split("/"))
+  ag = selection.select_config(m, k, n, jnp.bfloat16, 2)
+  rs = selection.select_reduce_scatter_config(m, k, n, jnp.bfloat16, 2)
+  assert "mosaic_gpu" in _lower_all_gather(2, ag, m, k, n)
+  assert "mosaic_gpu" in _lower_reduce_scatter(2, rs, m, k, n)
