@@ -11,6 +11,7 @@ their trace is written by a host callback, which needs the CUDA backend
 (tests/gpu/test_kernel_traces.py covers them).
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,11 @@ REDUCE_SCATTER = {
 }
 
 
+def _kernel_calls(text):
+  """Mosaic GPU kernel calls in lowered StableHLO."""
+  return len(re.findall(r"custom_call @mosaic_gpu", text))
+
+
 def _mesh(d):
   return jax.make_mesh((d,), ("x",), devices=jax.devices()[:d],
                        axis_types=(jax.sharding.AxisType.Explicit,))
@@ -82,15 +88,13 @@ def _lower_reduce_scatter(d, config, m=512, k=1024, n=512):
 @pytest.mark.parametrize("d", [1, 2])
 @pytest.mark.parametrize("name", sorted(ALL_GATHER))
 def test_all_gather_kernel_lowers_for_cuda(name, d):
-  text = _lower_all_gather(d, ALL_GATHER[name])
-  assert "mosaic_gpu" in text
+  assert _kernel_calls(_lower_all_gather(d, ALL_GATHER[name])) == 1
 
 
 @pytest.mark.parametrize("d", [1, 2])
 @pytest.mark.parametrize("name", sorted(REDUCE_SCATTER))
 def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
-  text = _lower_reduce_scatter(d, REDUCE_SCATTER[name])
-  assert "mosaic_gpu" in text
+  assert _kernel_calls(_lower_reduce_scatter(d, REDUCE_SCATTER[name])) == 1
 
 
 
@@ -108,5 +112,37 @@ def test_the_picked_configs_lower_for_cuda(shape):
   m, k, n = map(int, shape.split("/"))
   ag = selection.select_config(m, k, n, jnp.bfloat16, 2)
   rs = selection.select_reduce_scatter_config(m, k, n, jnp.bfloat16, 2)
-  assert "mosaic_gpu" in _lower_all_gather(2, ag, m, k, n)
-  assert "mosaic_gpu" in _lower_reduce_scatter(2, rs, m, k, n)
+  assert _kernel_calls(_lower_all_gather(2, ag, m, k, n)) == 1
+  assert _kernel_calls(_lower_reduce_scatter(2, rs, m, k, n)) == 1
+
+
+@pytest.mark.parametrize("save_gathered", [False, True])
+def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
+                                                           monkeypatch):
+  """value_and_grad through both ops with impl="pallas": the forward's two
+  kernels and the backward's transposed ones, lowered as one program."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  from collective_matmul import ops  # pylint: disable=g-import-not-at-top
+  # The ops refuse impl="pallas" where no Hopper GPU is; here nothing runs.
+  monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
+  mesh = _mesh(2)
+
+  def mlp(x, wi, wo):
+    h = cm.all_gather_matmul(x, wi, "x", gather_axis=1, impl="pallas",
+                             save_gathered=save_gathered)
+    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", scatter_axis=1,
+                                    impl="pallas",
+                                    save_gathered=save_gathered)
+
+  shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
+  specs = [P(None, "x", None), P(None, "x"), P("x", None)]
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16,
+                               sharding=NamedSharding(mesh, spec))
+          for s, spec in zip(shapes, specs)]
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(mlp, out_specs=P(None, "x", None), check_vma=False)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+    text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+  # Two forward kernels and two in the backward.
+  assert _kernel_calls(text) == 4
