@@ -21,6 +21,22 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))), "scripts")
 
 
+def pallas_mlp(save_gathered):
+  """An MLP block through both ops with impl="pallas" (inside shard_map
+  over "x"): x [b, s/D, d] gathered on s times wi [d, f/D], gelu, times wo
+  [f/D, d] reduce-scattered back on s. Its value_and_grad runs both kernels
+  in the forward and, transposed, in the backward."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+
+  def mlp(x, wi, wo):
+    h = cm.all_gather_matmul(x, wi, "x", gather_axis=1, impl="pallas",
+                             save_gathered=save_gathered)
+    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", scatter_axis=1,
+                                    impl="pallas",
+                                    save_gathered=save_gathered)
+  return mlp
+
+
 def import_script(name):
   """scripts/<name>.py as a module, for its functions."""
   sys.path.insert(0, SCRIPTS)

@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 
+from cm_test_utils import pallas_mlp
+
 _VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(
     _VERSION < (0, 12), reason="Mosaic GPU lowers off GPU from JAX 0.12 on")
@@ -121,18 +123,10 @@ def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
                                                            monkeypatch):
   """value_and_grad through both ops with impl="pallas": the forward's two
   kernels and the backward's transposed ones, lowered as one program."""
-  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
   from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   # The ops refuse impl="pallas" where no Hopper GPU is; here nothing runs.
   monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
   mesh = _mesh(2)
-
-  def mlp(x, wi, wo):
-    h = cm.all_gather_matmul(x, wi, "x", gather_axis=1, impl="pallas",
-                             save_gathered=save_gathered)
-    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", scatter_axis=1,
-                                    impl="pallas",
-                                    save_gathered=save_gathered)
 
   shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
   specs = [P(None, "x", None), P(None, "x"), P("x", None)]
@@ -140,7 +134,8 @@ def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
                                sharding=NamedSharding(mesh, spec))
           for s, spec in zip(shapes, specs)]
   with jax.set_mesh(mesh):
-    f = jax.shard_map(mlp, out_specs=P(None, "x", None), check_vma=False)
+    f = jax.shard_map(pallas_mlp(save_gathered),
+                      out_specs=P(None, "x", None), check_vma=False)
     loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
     text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()

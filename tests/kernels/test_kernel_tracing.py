@@ -14,9 +14,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import collective_matmul as cm
 from collective_matmul import kernels
 from collective_matmul import selection
+
+from cm_test_utils import pallas_mlp
 
 
 @pytest.fixture(autouse=True)
@@ -137,16 +138,9 @@ def test_pallas_ops_trace_forward_and_backward(save_gathered):
   """value_and_grad through both ops with impl="pallas" (both kernels in the
   forward and, transposed, in the backward)."""
   mesh = _mesh(2)
-
-  def mlp(x, wi, wo):
-    h = cm.all_gather_matmul(x, wi, "x", gather_axis=1, impl="pallas",
-                             save_gathered=save_gathered)
-    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", scatter_axis=1,
-                                    impl="pallas",
-                                    save_gathered=save_gathered)
-
   with jax.set_mesh(mesh):
-    f = jax.shard_map(mlp, out_specs=P(None, "x", None), check_vma=False)
+    f = jax.shard_map(pallas_mlp(save_gathered), out_specs=P(None, "x", None),
+                      check_vma=False)
     loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
     args = (_spec(mesh, (2, 512, 256), P(None, "x", None)),
             _spec(mesh, (256, 1024), P(None, "x")),
@@ -297,8 +291,15 @@ def test_a_chain_off_the_depth_needs_its_first_step():
 
 
 def test_only_the_listed_phases_are_traced():
+  """A phase is a named scope on what it wraps (what the profiler records
+  as a range); an unlisted name is refused."""
   from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
-  with common.phase("epilogue"):
-    pass
+
+  def f(x):
+    with common.phase("epilogue"):
+      return x * 2
+
+  [eqn] = jax.make_jaxpr(f)(1.0).eqns
+  assert "epilogue" in str(eqn.source_info.name_stack)
   with pytest.raises(ValueError, match="not one of"):
     common.phase("mma_loop")
