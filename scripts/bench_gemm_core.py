@@ -21,7 +21,12 @@ back-to-back readings). With `--trace-dir DIR` each of our configs runs
 again under `kernels.trace_warpgroups` (`--trace-warmups` calls first): its
 warpgroup trace goes to DIR and
 its per-tile figures (`warpgroup_trace.summarize`: k loop, epilogue, the gap
-between tiles, the blocks' spans) into the row as `ours_*_trace`. Every
+between tiles, the blocks' spans) into the row as `ours_*_trace`. With
+`--power-seconds S` every method then runs back to back for S seconds while
+`nvidia-smi` samples the GPU (`gpu_clocks.sustained`): the SM clock and
+power it holds, and its share of the tensor cores' peak in cycles at that
+clock, go into the row as `*_clock` (these GEMMs are power-bound: a kernel
+that loads more per flop runs at a lower clock). Every
 result is checked against an f32 reference, with outputs poisoned.
 
   python scripts/bench_gemm_core.py --shapes 16384/4096/2048 --out core.json
@@ -49,6 +54,7 @@ import collective_matmul as cm
 from collective_matmul import kernels
 from collective_matmul import selection
 from collective_matmul.autotuning import kernel_time_us
+import gpu_clocks  # pylint: disable=g-bad-import-order
 import warpgroup_trace  # pylint: disable=g-bad-import-order
 
 cm.prepare_xla_for_kernels()
@@ -177,6 +183,19 @@ def bench(shape, args):
   if args.rounds > 1:
     print(f"{shape:>18} medians over {args.rounds} rounds: " + ", ".join(
         f"{name} {row[name + '_us']:.1f}" for name in timed), flush=True)
+  if args.power_seconds:
+    for name, f in timed.items():
+      with jax.set_mesh(mesh):
+        clock = gpu_clocks.sustained(lambda f=f: f(a, b), args.power_seconds)
+      if clock:
+        clock["tensor_share"] = round(gpu_clocks.tensor_share(
+            row["flops"], row[f"{name}_us"], clock["sm_mhz"],
+            jax.devices()[0].core_count), 4)
+        print(f"{shape:>18} {name:<14} sustained: {clock['sm_mhz']:.0f} MHz, "
+              f"{clock['power_w']:.0f} W, {clock['temp_c']:.0f} C, "
+              f"tensor share {clock['tensor_share']:.3f} "
+              f"({clock['reasons']})", flush=True)
+      row[f"{name}_clock"] = clock
   if args.trace_dir:
     for name, (kernel, cfg) in ours.items():
       if name in timed:
@@ -238,6 +257,9 @@ def main():
   parser.add_argument("--trace-dir", default=None,
                       help="also trace each of our configs once (warpgroup "
                       "phases) into this directory")
+  parser.add_argument("--power-seconds", type=float, default=0,
+                      help="then run every method back to back this long "
+                      "while sampling its SM clock and power (nvidia-smi)")
   parser.add_argument("--out", default="gemm_core.json")
   args = parser.parse_args()
   if args.trace_dir:

@@ -48,6 +48,12 @@ CONFIGS = [
                             max_concurrent_steps=3),
     kernels.AllGatherConfig(sender_sms=4, chain_tiles=True,
                             max_concurrent_steps=3),
+    # 64 x 256 warpgroup tiles (one wgmma per k16 step reads all of B):
+    # wrong until run 49, when a wgmma still read a freed slot.
+    kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m",
+                            eager_release=True, chain_tiles=True),
+    kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m",
+                            sender_sms=4, k_major_sends=True),
 ]
 
 

@@ -67,10 +67,14 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
     (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
                                  send_pieces=2, chain_tiles=True), 1024),
     (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
-                                 send_pieces=2, chain_tiles=True), 64)],
+                                 send_pieces=2, chain_tiles=True), 64),
+    # 64 x 256 warpgroup tiles: wrong until run 49 (a wgmma still read a
+    # freed slot).
+    (kernels.ReduceScatterConfig(tile_m=64, tile_n=256, wg_dimension="m"),
+     1024)],
     ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces",
          "chained", "chained_small_tiles", "chained_3_stages",
-         "chained_3_stages_one_k_step"])
+         "chained_3_stages_one_k_step", "wide_warpgroup_tiles"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):
   """On 2 GPUs the ring; on one, the same kernel's core (no ring)."""
   d, m, n = min(2, HOPPER_COUNT), 512, 768

@@ -43,6 +43,8 @@ ALL_GATHER = {
                                max_concurrent_steps=3),
     "wide_k_senders": AG(tile_n=64, tile_k=128, max_concurrent_steps=3,
                          sender_sms=4, k_major_sends=True),
+    "wide_warpgroup_tiles": AG(tile_m=64, tile_n=256, wg_dimension="m",
+                               eager_release=True, chain_tiles=True),
 }
 REDUCE_SCATTER = {
     "default": RS(),
@@ -51,6 +53,7 @@ REDUCE_SCATTER = {
     "chained": RS(chain_tiles=True),
     "offset_chain": RS(epi_tile_n=128, max_concurrent_steps=3,
                        send_pieces=2, chain_tiles=True),
+    "wide_warpgroup_tiles": RS(tile_m=64, tile_n=256, wg_dimension="m"),
 }
 
 

@@ -303,3 +303,58 @@ def test_only_the_listed_phases_are_traced():
   assert "epilogue" in str(eqn.source_info.name_stack)
   with pytest.raises(ValueError, match="not one of"):
     common.phase("mma_loop")
+
+
+def _wgmma_wait_depths(jaxpr):
+  """The `n` of every `wgmma_wait` in a traced kernel, nested jaxprs
+  included (a parameter from JAX 0.12, an operand before)."""
+  depths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "wgmma_wait":
+      n = eqn.params.get("n")
+      depths.append(n if n is not None else eqn.invars[0].val)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          depths.extend(_wgmma_wait_depths(inner))
+  return depths
+
+
+@pytest.mark.parametrize("kernel,config,delay", [
+    ("rs", kernels.ReduceScatterConfig(), 0),
+    ("rs", kernels.ReduceScatterConfig(chain_tiles=True), 0),
+    ("rs", kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=2,
+                                       max_concurrent_steps=3,
+                                       chain_tiles=True), 0),
+    ("ag", kernels.AllGatherConfig(eager_release=True, chain_tiles=True), 0),
+    ("ag", kernels.AllGatherConfig(eager_release=True, chain_tiles=True,
+                                   max_concurrent_steps=3), 0),
+    ("ag", kernels.AllGatherConfig(sender_sms=4, k_major_sends=True), 0),
+    ("ag", kernels.AllGatherConfig(tile_m=64, tile_n=256,
+                                   wg_dimension="m", sender_sms=4), 0),
+    # The tiles forward from their slots, released one step late.
+    ("ag", kernels.AllGatherConfig(), 1),
+], ids=str)
+def test_no_slot_is_freed_while_a_wgmma_still_reads_it(kernel, config, delay):
+  """Run 48: with slots freed as the step's body returns
+  (`delay_release=0`), a wgmma left in flight read a slot the next load
+  was already overwriting: wrong results at 64 x 256 warpgroup tiles. The
+  pipeline now waits until at most `delay_release` steps' wgmmas are in
+  flight; this checks every wait in the traced kernel (D = 2)."""
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    if kernel == "ag":
+      f = jax.shard_map(functools.partial(
+          kernels.all_gather_lhs_matmul, axis_name="x", config=config),
+          out_specs=P(None, "x"), check_vma=False)
+      args = (_spec(mesh, (1024, 512), P("x", None)),
+              _spec(mesh, (512, 1024), P(None, "x")))
+    else:
+      f = jax.shard_map(functools.partial(
+          kernels.matmul_reduce_scatter, axis_name="x", config=config),
+          out_specs=P("x", None), check_vma=False)
+      args = (_spec(mesh, (1024, 1024), P(None, "x")),
+              _spec(mesh, (1024, 512), P("x", None)))
+    depths = _wgmma_wait_depths(jax.make_jaxpr(f)(*args).jaxpr)
+  assert depths and set(depths) == {delay}, depths

@@ -67,6 +67,15 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   (every pipeline starts at slot 0); elsewhere `_OffsetChain` runs it,
   from slot `first_step % max_concurrent_steps`, `first_step` being the
   block's pipeline steps before this one (its tiles so far x `k_iters`).
+
+  `body` issues its step's wgmmas and returns without waiting for them;
+  the pipeline waits before a slot they read is freed. JAX's pipeline
+  frees the step's slots (`delay_release=0`) or the previous step's (1)
+  as the body returns, so the body is wrapped to wait until at most
+  `delay_release` steps' wgmmas are in flight (`_OffsetChain` waits the
+  same way). Until run 49 the body left one step's wgmmas in flight with
+  `delay_release=0` too: a race that went unseen at 128 x 128 warpgroup
+  tiles and gave wrong results at 64 x 256.
   """
   order = k_order or (lambda kk: kk)
   if chained and k_iters % max_concurrent_steps:
@@ -79,6 +88,11 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         stages=max_concurrent_steps, order=order, before_load=before_load,
         first_step=first_step)
 
+  def waited_body(idxs, a_smem, b_smem, carry):
+    carry = body(idxs, a_smem, b_smem, carry)
+    plgpu.wgmma_wait(delay_release)
+    return carry
+
   def a_block(kk):
     # JAX's pipeline evaluates an input's index map only where the memory
     # warpgroup issues that input's copy (A's first, then B's), so a wait
@@ -90,7 +104,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
 
   transforms = swizzled(dtype, tile_k)
   return plgpu.emit_pipeline_warp_specialized(
-      body,
+      waited_body,
       grid=(k_iters,),
       memory_registers=40,
       in_specs=[
@@ -124,9 +138,11 @@ class _OffsetChain:
   the memory warpgroup waits until the compute warpgroups freed that slot
   (`consumed`, 2 arrivals), runs `before_load(kk)`, then TMA-loads A's and
   B's k block `order(kk)` into it (`produced`, one arrival per copy); the
-  compute warpgroups wait for it, run `body((kk,), a, b, carry)` and free
-  it at once. Allocations have the layout of JAX's, so `chain_slots_free`
-  and the skeleton's allocation are the same for both."""
+  compute warpgroups wait for it, run `body((kk,), a, b, carry)` (which
+  issues wgmmas), wait for its wgmmas and free the slot, as JAX's
+  pipeline does with `delay_release=0`. Allocations have the layout of
+  JAX's, so `chain_slots_free` and the skeleton's allocation are the same
+  for both."""
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step):
@@ -186,6 +202,10 @@ class _OffsetChain:
           s = slot(kk)
           plgpu.barrier_wait(produced.at[s])
           carry = self.body((kk,), a_smem.at[s], b_smem.at[s], carry)
+          # This step's wgmmas have read the slot: free it. (Keeping them
+          # in flight and freeing each slot a step later costs a stage of
+          # prefetch: 1.10-1.15 x cuBLAS at 3 stages, run 49.)
+          plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[s])
           # As JAX's pipeline does after every step (the bodies' sends
           # count TMA store groups the same way under both).
@@ -629,11 +649,11 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
             epilogue(acc_ref)
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
+        # The pipeline waits for the wgmma (`matmul_pipeline`).
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
         if hooks.k_step is not None:
           (kk,) = idxs
           hooks.k_step(kk, a_smem)
-        plgpu.wgmma_wait(1)
         return acc_ref
 
       def matmul(a_rows_ref, row):
