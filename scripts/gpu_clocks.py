@@ -15,6 +15,8 @@ schedule costs, apart from power.
 """
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import subprocess
 import time
@@ -63,8 +65,10 @@ def sustained(fn, seconds: float, gpu: int = 0, calls_per_sync: int = 20):
   cmd = ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}",
          "--format=csv,noheader,nounits", "-lms", "50", "-i", str(gpu)]
   try:
+    # Its own process group, so that stopping it stops all of it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
   except OSError:
     return {}
   try:
@@ -75,7 +79,10 @@ def sustained(fn, seconds: float, gpu: int = 0, calls_per_sync: int = 20):
         out = fn()
       jax.block_until_ready(out)
   finally:
-    proc.terminate()
+    try:
+      os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # It had already exited.
+      pass
     text, _ = proc.communicate(timeout=10)
   return summarize(parse(text.splitlines()))
 
