@@ -276,6 +276,8 @@ def main():
   if args.iterations < 1 or args.rounds < 1 or args.trace_warmups < 0:
     parser.error("--iterations and --rounds must be >= 1, --trace-warmups "
                  ">= 0")
+  if args.power_seconds < 0:
+    parser.error(f"--power-seconds {args.power_seconds} must be >= 0")
   rows = []
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -20,11 +20,15 @@ def test_script_help_exits_cleanly(script):
   assert "usage" in run.stdout.lower()
 
 
-def test_bench_gemm_core_rejects_a_malformed_shape():
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "16384/4096"], "expected M/K/N"),
+    (["--power-seconds", "-1"], "must be >= 0"),
+])
+def test_bench_gemm_core_rejects_bad_arguments(args, message):
   run = subprocess.run([sys.executable,
                         os.path.join(REPO_ROOT, "scripts", "bench_gemm_core.py"),
-                        "--shapes", "16384/4096"],
+                        *args],
                        capture_output=True, text=True, timeout=120,
                        cwd=REPO_ROOT)
   assert run.returncode == 2
-  assert "expected M/K/N" in run.stderr
+  assert message in run.stderr
