@@ -17,7 +17,10 @@ JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
 name starting `rs_` the reduce-scatter's, to see which tiling choice costs
 what. With `--rounds R` every method of a shape is timed
 R times round-robin and the median is reported (clocks drift between
-back-to-back readings). With `--trace-dir DIR` each of our configs runs
+back-to-back readings). With `--plan` nothing runs on a GPU: every call of our kernels the same
+arguments would time is traced on a CPU device, and lowered for CUDA where
+JAX can (>= 0.12), so a variant that cannot run fails here, not in device
+time (`bench_plan`). With `--trace-dir DIR` each of our configs runs
 again under `kernels.trace_warpgroups` (`--trace-warmups` calls first): its
 warpgroup trace goes to DIR and
 its per-tile figures (`warpgroup_trace.summarize`: k loop, epilogue, the gap
@@ -40,24 +43,27 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import script_setup  # pylint: disable=g-bad-import-order
+
+script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import collective_matmul as cm
 from collective_matmul import kernels
 from collective_matmul import selection
 from collective_matmul.autotuning import kernel_time_us
+import bench_plan  # pylint: disable=g-bad-import-order
 import gpu_clocks  # pylint: disable=g-bad-import-order
 import warpgroup_trace  # pylint: disable=g-bad-import-order
-
-cm.prepare_xla_for_kernels()
 
 # Whole GEMMs of MaxText llama2-7b at tensor-sequence 2 (16384 tokens):
 # q/k/v, fused q/k/v, wi, the attention output and the MLP output.
@@ -102,6 +108,57 @@ def parse_variant(text):
   return name, fields
 
 
+def core_ag_config(big_m, k, n):
+  """The all-gather config `selection` picks for the D = 2 ring at this
+  GEMM (m = M / 2 per shard), with the senders (and what only they use)
+  off: one device has no ring. Also returns the picked config."""
+  ag = selection.select_config(big_m // 2, k, n, jnp.bfloat16, 2)
+  return dataclasses.replace(ag, sender_sms=0, k_major_sends=False,
+                             sender_announce_lag=None), ag
+
+
+def our_configs(big_m, k, n, variants):
+  """[(name, kernel, config, record)] of our kernels a shape times: the
+  all-gather's core config ("ours_ag", recorded as the picked one), the
+  reduce-scatter's ("ours_rs"), then each --variant ("ours_NAME"; rs_*
+  vary the reduce-scatter's config, else the all-gather's). A variant whose
+  fields do not apply has its error in place of the config."""
+  ag_core, ag = core_ag_config(big_m, k, n)
+  rs = selection.select_reduce_scatter_config(big_m // 2, k, n, jnp.bfloat16,
+                                              2)
+  out = [("ours_ag", kernels.all_gather_lhs_matmul, ag_core, ag),
+         ("ours_rs", kernels.matmul_reduce_scatter, rs, rs)]
+  for name, fields in variants:
+    kernel, base = ((kernels.matmul_reduce_scatter, rs)
+                    if name.startswith("rs_") else
+                    (kernels.all_gather_lhs_matmul, ag_core))
+    try:
+      cfg = dataclasses.replace(base, **fields)
+    except (TypeError, ValueError) as e:
+      cfg = e
+    out.append((f"ours_{name}", kernel, cfg, cfg))
+  return out
+
+
+def plan_calls(args):
+  """Every call of our kernels the run would time (`bench_plan.Call`s, on
+  one device; H100/H200's 132 SMs for the trace ranges)."""
+  calls = []
+  for shape in args.shapes:
+    big_m, k, n = map(int, shape.split("/"))
+    for name, kernel, cfg, _ in our_configs(big_m, k, n, args.variant):
+      label = f"{shape} {name}"
+      if isinstance(cfg, Exception):
+        calls.append(bench_plan.Broken(label, 1,
+                                       f"{type(cfg).__name__}: {cfg}"))
+        continue
+      calls.append(bench_plan.Call(
+          label, kernel, cfg, [(big_m, k), (k, n)], [P(), P()], P(), 1,
+          trace_ranges=trace_ranges(cfg, big_m, n, 132)
+          if args.trace_dir else None))
+  return calls
+
+
 def bench(shape, args):
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   big_m, k, n = map(int, shape.split("/"))
@@ -139,37 +196,19 @@ def bench(shape, args):
     print(f"{shape:>18} {name:<14} {t:9.1f} us  err {err:.1e}", flush=True)
 
   run("cublas", jax.jit(jnp.dot))
-  m_shard = big_m // 2
-  ag = selection.select_config(m_shard, k, n, dtype, 2)
-  # The senders (and what only they use) off: one device has no ring.
-  ag_core = dataclasses.replace(ag, sender_sms=0, k_major_sends=False,
-                                sender_announce_lag=None)
-  rs = selection.select_reduce_scatter_config(m_shard, k, n, dtype, 2)
   with jax.set_mesh(mesh):
     shmap = lambda fn: jax.jit(jax.shard_map(
         fn, in_specs=(P(), P()), out_specs=P(), check_vma=False))
-    def run_ours(name, kernel, cfg, record=None):
+    for name, kernel, cfg, record in our_configs(big_m, k, n, args.variant):
+      if isinstance(cfg, Exception):  # Reported, like a misfit.
+        row[f"{name}_error"] = f"{type(cfg).__name__}: {cfg}"
+        print(f"{shape} {name}: {cfg}", flush=True)
+        continue
       ours[name] = (kernel, cfg)
       run(name, shmap(functools.partial(kernel, axis_name="x", config=cfg)),
-          dataclasses.asdict(record or cfg))
-
-    run_ours("ours_ag", kernels.all_gather_lhs_matmul, ag_core, record=ag)
-    run_ours("ours_rs", kernels.matmul_reduce_scatter, rs)
-    for name, fields in args.variant:
-      # rs_*: the reduce-scatter kernel's config varied, else the
-      # all-gather's.
-      kernel, base = ((kernels.matmul_reduce_scatter, rs)
-                      if name.startswith("rs_") else
-                      (kernels.all_gather_lhs_matmul, ag_core))
-      try:
-        cfg = dataclasses.replace(base, **fields)
-      except (TypeError, ValueError) as e:  # Reported, like a misfit.
-        row[f"ours_{name}_error"] = f"{type(e).__name__}: {e}"
-        print(f"{shape} ours_{name}: {e}", flush=True)
-        continue
-      run_ours(f"ours_{name}", kernel, cfg)
+          dataclasses.asdict(record))
   for cluster in (() if args.skip_upstream else (None, "m", "n")):
-    cfg = upstream_config(ag_core, cluster)
+    cfg = upstream_config(core_ag_config(big_m, k, n), cluster)
     run(f"upstream_{cluster or 'none'}", jax.jit(
         lambda x, y, cfg=cfg: hm.matmul(x, y, None, config=cfg)),
         str(cfg))
@@ -203,13 +242,18 @@ def bench(shape, args):
   return row
 
 
+def trace_ranges(cfg, big_m, n, num_sms):
+  """Ranges per warpgroup a traced call needs: the k loop and epilogue of
+  each of a block's tiles, and a margin."""
+  tiles = math.ceil(big_m / cfg.cta_tile_m) * math.ceil(n / cfg.cta_tile_n)
+  return 2 * math.ceil(tiles / num_sms) + 4
+
+
 def trace(row, name, kernel, cfg, a, b, ref, mesh, args):
   """Runs `kernel` once more under `trace_warpgroups`; keeps its trace in
   --trace-dir, its summary in the row, and checks its result too."""
   big_m, n = a.shape[0], b.shape[1]
-  tiles = math.ceil(big_m / cfg.cta_tile_m) * math.ceil(n / cfg.cta_tile_n)
-  per_block = math.ceil(tiles / jax.devices()[0].core_count)
-  ranges = 2 * per_block + 4  # mma and epilogue per tile, and a margin.
+  ranges = trace_ranges(cfg, big_m, n, jax.devices()[0].core_count)
   dest = os.path.join(args.trace_dir,
                       f"{row['shape'].replace('/', 'x')}_{name}.json")
 
@@ -260,10 +304,12 @@ def main():
   parser.add_argument("--power-seconds", type=float, default=0,
                       help="then run every method back to back this long "
                       "while sampling its SM clock and power (nvidia-smi)")
+  parser.add_argument("--plan", action="store_true",
+                      help="no GPU: trace (and where JAX can, lower for "
+                      "CUDA) every call of our kernels this run would time, "
+                      "on an emulated CPU device; exit 1 if any fails")
   parser.add_argument("--out", default="gemm_core.json")
   args = parser.parse_args()
-  if args.trace_dir:
-    os.makedirs(args.trace_dir, exist_ok=True)
   try:
     args.variant = [parse_variant(v) for v in args.variant]
   except ValueError as e:
@@ -278,6 +324,10 @@ def main():
                  ">= 0")
   if args.power_seconds < 0:
     parser.error(f"--power-seconds {args.power_seconds} must be >= 0")
+  if args.plan:
+    sys.exit(1 if bench_plan.check_plan(plan_calls(args)) else 0)
+  if args.trace_dir:
+    os.makedirs(args.trace_dir, exist_ok=True)
   rows = []
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -24,8 +24,14 @@ With --trace-dir DIR each of our kernels also runs under
 `kernels.trace_warpgroups` (--trace-warmups calls, then the one whose trace
 is kept): per tile, its k loop, epilogue and waits, in SM cycles
 (scripts/warpgroup_trace.py reads and plots the traces).
+With --plan D nothing runs on a GPU: every kernel call the same arguments
+would time (the picked configs, each --config / --rs-config, traced too
+with --trace-dir) is traced on D emulated CPU devices, and lowered for CUDA
+where JAX can (>= 0.12), so a config that cannot run fails here, not in
+device time (`bench_plan`).
 
   python scripts/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
+  python scripts/bench_kernels.py --plan 2 --config '{"selected": true, ...}'
 """
 from __future__ import annotations
 
@@ -42,6 +48,10 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+import script_setup  # pylint: disable=g-bad-import-order
+
+script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -49,10 +59,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul as cm
+from collective_matmul import kernels
+from collective_matmul import selection
 from collective_matmul.autotuning import kernel_time_us
+import bench_plan  # pylint: disable=g-bad-import-order
 import warpgroup_trace  # pylint: disable=g-bad-import-order
-
-cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
 
 SHAPES = ["1024/4096/4096:bf16", "1024/4096/4096:f16", "2048/4096/4096:bf16",
           "4096/8192/7168:bf16", "8192/8192/14336:bf16",
@@ -94,16 +105,22 @@ class Timer:
       self.row[f"{key}_us"] = statistics.median(self.row[f"{key}_rounds_us"])
 
 
+def trace_ranges(config, m, n, d, num_sms):
+  """Ranges per warpgroup a traced call of our kernel needs: its k loop,
+  epilogue and a wait per tile, plus a margin."""
+  tiles = d * -(-m // config.cta_tile_m) * -(-n // config.cta_tile_n)
+  blocks = num_sms - getattr(config, "sender_sms", 0)
+  return 3 * -(-tiles // blocks) + 4
+
+
 def trace_method(row, key, build, operands, config, m, n, mesh, args):
   """With --trace-dir: runs our kernel (`build()` jits it) under
   `kernels.trace_warpgroups` (`warpgroup_trace.run_traced`), keeps the
   trace and puts its summary in the row as `<key>_trace`."""
   if not args.trace_dir:
     return
-  d = jax.device_count()
-  tiles = d * -(-m // config.cta_tile_m) * -(-n // config.cta_tile_n)
-  blocks = jax.devices()[0].core_count - getattr(config, "sender_sms", 0)
-  ranges = 3 * -(-tiles // blocks) + 4  # mma, epilogue, a wait per tile.
+  ranges = trace_ranges(config, m, n, jax.device_count(),
+                        jax.devices()[0].core_count)
   name = f"{row.get('pattern', 'all_gather')}_{row['shape']}_{key}"
   dest = os.path.join(args.trace_dir, name.replace("/", "x") + ".json")
   try:
@@ -125,9 +142,13 @@ def one_device_mesh():
 
 
 def parse_shape(text):
+  """'m/k/n[:dtype]' -> (m, k, n, dtype name); ValueError if malformed."""
   dims, _, dtype = text.partition(":")
-  m, k, n = map(int, dims.split("/"))
-  return m, k, n, dtype or "bf16"
+  parts = dims.split("/")
+  if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+    raise ValueError(f"shape {text!r}: expected m/k/n[:dtype], three "
+                     "positive integers (e.g. 1024/4096/4096:bf16)")
+  return (*map(int, parts), dtype or "bf16")
 
 
 def rel_error(out, ref):
@@ -228,6 +249,30 @@ def resolve_config(cfg, picked):
   return cfg(picked) if callable(cfg) else cfg
 
 
+def our_configs(parsed, picked):
+  """[(key, config, loopback)] a shape times: the picked config as "ours",
+  then each parsed --config / --rs-config as "ours_cfgN". A patch that
+  does not apply to this shape's pick has its error in place of the
+  config."""
+  out = []
+  for i, (cfg, loopback) in enumerate([(None, False)] + parsed):
+    try:
+      config = resolve_config(cfg, picked)
+    except (TypeError, ValueError) as e:
+      config = e
+    out.append(("ours" if i == 0 else f"ours_cfg{i}", config, loopback))
+  return out
+
+
+def config_error(row, key, config):
+  """Records and prints a config that could not be built; True if so."""
+  if not isinstance(config, Exception):
+    return False
+  row[f"{key}_error"] = f"{type(config).__name__}: {config}"
+  print(f"{row['shape']} {key}: {row[key + '_error']}", flush=True)
+  return True
+
+
 def seed_configs():
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   dim = hm.MatmulDimension
@@ -238,9 +283,6 @@ def seed_configs():
 
 
 def bench_shape(m, k, n, dtype_name, args):
-  import collective_matmul as cm
-  from collective_matmul import kernels
-  from collective_matmul import selection
   dtype = DTYPES[dtype_name]
   d = jax.device_count()
   mesh = jax.make_mesh((d,), ("x",),
@@ -301,11 +343,10 @@ def bench_shape(m, k, n, dtype_name, args):
         # The best config takes part in the rounds like the other methods.
         timer.time("seed", f, a, b, mesh=mesh)
 
-    configs = [(None, False)] + [parse_config(kernels.AllGatherConfig, c)
-                                 for c in args.config]
-    for i, (cfg, loopback) in enumerate(configs):
-      chosen = resolve_config(cfg, selection.select_config(m, k, n, dtype, d))
-      key = "ours" if i == 0 else f"ours_cfg{i}"
+    for key, chosen, loopback in our_configs(
+        args.config, selection.select_config(m, k, n, dtype, d)):
+      if config_error(row, key, chosen):
+        continue
       if loopback:
         f = shmap(functools.partial(kernels.all_gather_lhs_matmul,
                                     axis_name="x", config=chosen,
@@ -347,6 +388,41 @@ def bench_shape(m, k, n, dtype_name, args):
   return row
 
 
+def plan_calls(args, d, num_sms=132):
+  """Every call of our kernels the run would time at D devices
+  (`bench_plan.Call`s; H100/H200's `num_sms` for the trace ranges)."""
+  calls = []
+  for pattern, texts, parsed, select in (
+      ("all_gather", args.shapes, args.config, selection.select_config),
+      ("reduce_scatter", args.rs_shapes, args.rs_config,
+       selection.select_reduce_scatter_config)):
+    for text in texts:
+      m, k, n, dtype_name = parse_shape(text)
+      dtype = DTYPES[dtype_name]
+      label = f"{pattern} {m}/{k}/{n}:{dtype_name}"
+      for key, cfg, loopback in our_configs(parsed,
+                                            select(m, k, n, dtype, d)):
+        if isinstance(cfg, Exception):
+          calls.append(bench_plan.Broken(f"{label} {key}", d,
+                                         f"{type(cfg).__name__}: {cfg}"))
+          continue
+        if pattern == "all_gather":
+          kernel, shapes = kernels.all_gather_lhs_matmul, [(d * m, k),
+                                                          (k, d * n)]
+          in_specs, out_spec = [P("x", None), P(None, "x")], P(None, "x")
+        else:
+          kernel, shapes = kernels.matmul_reduce_scatter, [(d * m, d * k),
+                                                          (d * k, n)]
+          in_specs, out_spec = [P(None, "x"), P("x", None)], P("x", None)
+        calls.append(bench_plan.Call(
+            f"{label} {key}" + (" (loopback)" if loopback else ""), kernel,
+            cfg, shapes, in_specs, out_spec, d, dtype,
+            {"_diagnostic_loopback": True} if loopback else {},
+            trace_ranges(cfg, m, n, d, num_sms)
+            if args.trace_dir and not loopback else None))
+  return calls
+
+
 RS_SHAPES = ["1024/4096/4096:bf16", "4096/7168/8192:bf16",
              "8192/14336/8192:bf16"]
 
@@ -354,8 +430,6 @@ RS_SHAPES = ["1024/4096/4096:bf16", "4096/7168/8192:bf16",
 def bench_reduce_scatter(m, k, n, dtype_name, args):
   """Matmul + reduce-scatter: per shard m rows after the scatter, k local
   contraction, n output columns."""
-  from collective_matmul import kernels
-  from collective_matmul import selection
   dtype = DTYPES[dtype_name]
   d = jax.device_count()
   row = {"pattern": "reduce_scatter", "shape": f"{m}/{k}/{n}",
@@ -387,12 +461,11 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
         x @ y, "x", scatter_dimension=0, tiled=True))
     out, _, row["nccl_kernels"] = timer.time("nccl", nccl, a, b, mesh=mesh)
     row["nccl_rel_err"] = rel_error(out, ref)
-    configs = [(None, False)] + [parse_config(kernels.ReduceScatterConfig, c)
-                                 for c in args.rs_config]
-    for i, (cfg, loopback) in enumerate(configs):
-      chosen = resolve_config(cfg, selection.select_reduce_scatter_config(
-          m, k, n, dtype, d))
-      key = "ours" if i == 0 else f"ours_cfg{i}"
+    for key, chosen, loopback in our_configs(
+        args.rs_config, selection.select_reduce_scatter_config(
+            m, k, n, dtype, d)):
+      if config_error(row, key, chosen):
+        continue
       f = shmap(functools.partial(kernels.matmul_reduce_scatter,
                                   axis_name="x", config=chosen,
                                   _diagnostic_loopback=loopback))
@@ -451,13 +524,33 @@ def main():
                       help="also run each of our kernels once under "
                       "kernels.trace_warpgroups: traces into this directory, "
                       "per-tile figures into the row (<key>_trace)")
+  parser.add_argument("--plan", type=int, default=None, metavar="D",
+                      help="no GPU: trace (and where JAX can, lower for "
+                      "CUDA) every kernel call this run would time, on D "
+                      "emulated CPU devices; exit 1 if any fails")
   parser.add_argument("--out", default="benchmarks/raw.json")
   args = parser.parse_args()
-  if args.trace_dir:
-    os.makedirs(args.trace_dir, exist_ok=True)
   if args.rounds < 1 or args.iterations < 1 or args.trace_warmups < 0:
     parser.error("--rounds and --iterations must be >= 1, --trace-warmups "
                  ">= 0")
+  try:
+    for text in args.shapes + args.rs_shapes:
+      _, _, _, dtype_name = parse_shape(text)
+      if dtype_name not in DTYPES:
+        raise ValueError(f"dtype {dtype_name!r} of {text!r}: one of "
+                         f"{sorted(DTYPES)}")
+    args.config = [parse_config(kernels.AllGatherConfig, c)
+                   for c in args.config]
+    args.rs_config = [parse_config(kernels.ReduceScatterConfig, c)
+                      for c in args.rs_config]
+  except (TypeError, ValueError) as e:  # Bad shapes, JSON or fields.
+    parser.error(str(e))
+  if args.plan is not None:
+    if args.plan < 1:
+      parser.error(f"--plan {args.plan}: the devices must be >= 1")
+    sys.exit(1 if bench_plan.check_plan(plan_calls(args, args.plan)) else 0)
+  if args.trace_dir:
+    os.makedirs(args.trace_dir, exist_ok=True)
   rows = []
   versions = {"jax": jax.__version__, "devices": [str(x.device_kind) for x in
                                                   jax.devices()]}

@@ -38,12 +38,17 @@ def pallas_mlp(save_gathered):
 
 
 def import_script(name):
-  """scripts/<name>.py as a module, for its functions."""
+  """scripts/<name>.py as a module, for its functions. What importing it
+  sets in os.environ for a GPU run (NCCL and XLA variables) is undone, so
+  the rest of the test session does not see it."""
+  saved = dict(os.environ)
   sys.path.insert(0, SCRIPTS)
   try:
     return importlib.import_module(name)
   finally:
     sys.path.pop(0)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def mesh_1d(d, axis_type=AxisType.Explicit, name="x"):

@@ -1,23 +1,11 @@
 """bench_kernels.Timer: every method timed again, round-robin, median kept."""
 import argparse
-import importlib
-import os
-import sys
 
-from host_test_utils import REPO_ROOT
+from cm_test_utils import import_script
 
 
 def _bench_kernels():
-  """The script as a module; importing it sets XLA_FLAGS and NCCL variables
-  for a GPU run, which the rest of the test session must not see."""
-  saved = dict(os.environ)
-  sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-  try:
-    return importlib.import_module("bench_kernels")
-  finally:
-    sys.path.pop(0)
-    os.environ.clear()
-    os.environ.update(saved)
+  return import_script("bench_kernels")
 
 
 def test_rounds_are_round_robin_and_the_median_is_reported(monkeypatch):

@@ -1,0 +1,138 @@
+"""A planned benchmark run checked without a GPU (`--plan D` of
+bench_kernels.py and bench_gemm_core.py).
+
+Runs 35, 37 and 53 (benchmarks/kernel_lead/) each spent device time on
+configs that could not run: shared memory over the limit, once only with
+the trace's ranges added. The kernels raise those errors while tracing, so
+a CPU finds them. `check_plan` takes every kernel call a run would time
+(`Call`), traces each on D emulated CPU devices and, where JAX lowers
+Mosaic GPU kernels off GPU (>= 0.12: layout inference, barriers, TMA),
+lowers it for CUDA too; with trace ranges it also traces the call under
+`kernels.trace_warpgroups`, as `--trace-dir` runs it. It prints one line
+per call and returns how many failed. Nothing is timed and no numerics are
+checked: that needs the GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# JAX 0.10's Mosaic GPU fails layout inference off GPU for every kernel;
+# 0.12 lowers them (tests/kernels/test_kernel_lowering.py).
+LOWERS_OFF_GPU = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (
+    0, 12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One kernel call of a planned run: `kernel(a, b, axis_name="x",
+  config=config, **kwargs)` in `shard_map` over D devices, operands of
+  `shapes` (global) sharded by `in_specs`. `trace_ranges`: the ranges
+  per warpgroup the run would trace it with (None: not traced)."""
+  label: str
+  kernel: Callable[..., Any]
+  config: Any
+  shapes: Sequence[tuple[int, int]]
+  in_specs: Sequence[P]
+  out_spec: P
+  devices: int
+  dtype: Any = jnp.bfloat16
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  trace_ranges: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Broken:
+  """A call the plan could not even build (e.g. a patched config with a
+  field out of range): reported as failed."""
+  label: str
+  devices: int
+  error: str
+
+
+def config_delta(config) -> str:
+  """The config's fields that differ from its class's defaults."""
+  default = type(config)()
+  return " ".join(f"{f.name}={getattr(config, f.name)}"
+                  for f in dataclasses.fields(config)
+                  if getattr(config, f.name) != getattr(default, f.name))
+
+
+def cpu_mesh(d: int):
+  """A D-device mesh of CPU devices (the emulated ones)."""
+  cpus = jax.devices("cpu")
+  if len(cpus) < d:
+    raise SystemExit(
+        f"--plan {d}: only {len(cpus)} CPU devices; start with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={d} or more")
+  return jax.make_mesh((d,), ("x",), devices=cpus[:d],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _traced(call: Call, mesh):
+  args = [jax.ShapeDtypeStruct(s, call.dtype,
+                               sharding=NamedSharding(mesh, spec))
+          for s, spec in zip(call.shapes, call.in_specs)]
+  fn = lambda a, b: call.kernel(a, b, axis_name="x", config=call.config,
+                                **call.kwargs)
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.shard_map(fn, in_specs=tuple(call.in_specs),
+                                 out_specs=call.out_spec,
+                                 check_vma=False)).trace(*args)
+
+
+def check_call(call: Call | Broken) -> str:
+  """'lowered' / 'traced' (what it got to), or 'FAILED ...' with the error
+  (its stage named where only the traced call fails)."""
+  if isinstance(call, Broken):
+    return f"FAILED {call.error}"
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  mesh = cpu_mesh(call.devices)
+
+  def error(e, stage=""):
+    return f"FAILED {stage}{type(e).__name__}: {str(e)[:400]}"
+
+  try:
+    traced = _traced(call, mesh)
+    if LOWERS_OFF_GPU:
+      with jax.set_mesh(mesh):
+        traced.lower(lowering_platforms=("cuda",))
+  except Exception as e:  # pylint: disable=broad-except
+    return error(e)
+  if call.trace_ranges is not None:
+    try:
+      with tempfile.TemporaryDirectory() as tmp:
+        with kernels.trace_warpgroups(tmp, call.trace_ranges):
+          _traced(call, mesh)
+    except Exception as e:  # pylint: disable=broad-except
+      return error(e, f"under trace_warpgroups ({call.trace_ranges} "
+                   "ranges): ")
+  return "lowered" if LOWERS_OFF_GPU else "traced"
+
+
+def check_plan(calls: Sequence[Call | Broken], print_fn=print) -> int:
+  """Checks every call; prints a line each (with the config's fields that
+  differ from the defaults) and a summary; returns the number that
+  failed."""
+  failed = 0
+  how = ("traced and lowered for CUDA" if LOWERS_OFF_GPU else
+         f"traced (JAX {jax.__version__} cannot lower Mosaic GPU off GPU; "
+         ">= 0.12 can)")
+  print_fn(f"plan: {len(calls)} kernel calls, each {how}"
+           + (", and traced under trace_warpgroups"
+              if any(getattr(c, "trace_ranges", None) is not None
+                     for c in calls) else ""))
+  for call in calls:
+    status = check_call(call)
+    failed += status.startswith("FAILED")
+    print_fn(f"  {call.label:<40} D={call.devices} {status}")
+    if isinstance(call, Call):
+      print_fn(f"      {config_delta(call.config) or '(defaults)'}")
+  print_fn(f"plan: {len(calls) - failed} ok, {failed} failed")
+  return failed

@@ -1,0 +1,147 @@
+"""`--plan`: a benchmark run's kernel calls checked on CPU before device
+time is spent (scripts/bench_plan.py; runs 35, 37 and 53 lost variants to
+shared memory that a CPU could have counted)."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul import kernels
+from cm_test_utils import import_script
+from host_test_utils import REPO_ROOT
+
+# 64 x 256 warpgroup tiles with a 64 x 128 epilogue tile: run 53's variant
+# that did not fit (263168 bytes).
+TOO_BIG = kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m",
+                                  epi_tile_n=128)
+FITS = kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m")
+
+
+def _plan():
+  return import_script("bench_plan")
+
+
+def _all_gather_call(plan, config, d=2, m=512, k=1024, n=512, **kw):
+  return plan.Call("ag", kernels.all_gather_lhs_matmul, config,
+                   [(d * m, k), (k, d * n)], [P("x", None), P(None, "x")],
+                   P(None, "x"), d, **kw)
+
+
+def _reduce_scatter_call(plan, config, d=2, m=512, k=1024, n=512):
+  return plan.Call("rs", kernels.matmul_reduce_scatter, config,
+                   [(d * m, d * k), (d * k, n)], [P(None, "x"), P("x", None)],
+                   P("x", None), d)
+
+
+def test_a_config_over_shared_memory_fails_and_one_that_fits_passes():
+  plan = _plan()
+  ok = "lowered" if plan.LOWERS_OFF_GPU else "traced"
+  assert plan.check_call(_all_gather_call(plan, FITS)) == ok
+  assert plan.check_call(_reduce_scatter_call(
+      plan, kernels.ReduceScatterConfig())) == ok
+  status = plan.check_call(_all_gather_call(plan, TOO_BIG))
+  assert status.startswith("FAILED ValueError") and "263168" in status
+
+
+def test_the_trace_ranges_count_against_shared_memory():
+  """Run 37: configs that fit untraced failed under trace_warpgroups."""
+  plan = _plan()
+  assert not plan.check_call(_all_gather_call(
+      plan, FITS, trace_ranges=8)).startswith("FAILED")
+  status = plan.check_call(_all_gather_call(plan, FITS, trace_ranges=5000))
+  assert status.startswith("FAILED under trace_warpgroups (5000 ranges): "
+                           "ValueError"), status
+
+
+def test_check_plan_counts_failures_and_prints_each_config():
+  plan = _plan()
+  lines = []
+  calls = [_all_gather_call(plan, FITS), _all_gather_call(plan, TOO_BIG),
+           plan.Broken("patched", 2, "TypeError: no field x")]
+  assert plan.check_plan(calls, print_fn=lines.append) == 2
+  text = "\n".join(lines)
+  assert "tile_m=64 tile_n=256 wg_dimension=m epi_tile_n=128" in text
+  assert "FAILED TypeError: no field x" in text
+  assert text.splitlines()[-1] == "plan: 1 ok, 2 failed"
+
+
+def test_more_devices_than_emulated_is_a_clear_error():
+  with pytest.raises(SystemExit, match="xla_force_host_platform_device_count"):
+    _plan().cpu_mesh(len(jax.devices("cpu")) + 1)
+
+
+def test_bench_kernels_plans_what_it_would_time():
+  """The calls `plan_calls` builds are the run's: the picked config and
+  each --config per shape, loopback passed to the kernel and not traced."""
+  bench = import_script("bench_kernels")
+  args = argparse.Namespace(
+      shapes=["1024/4096/4096:bf16"], rs_shapes=["512/4096/4096:f16"],
+      config=[bench.parse_config(kernels.AllGatherConfig, json.dumps(
+          {"selected": True, "tile_m": 64, "tile_n": 256,
+           "wg_dimension": "m", "loopback": True}))],
+      rs_config=[bench.parse_config(kernels.ReduceScatterConfig,
+                                    '{"selected": true, "tile_k": 7}')],
+      trace_dir="/tmp/traces")
+  calls = bench.plan_calls(args, 2)
+  labels = [c.label for c in calls]
+  assert labels == ["all_gather 1024/4096/4096:bf16 ours",
+                    "all_gather 1024/4096/4096:bf16 ours_cfg1 (loopback)",
+                    "reduce_scatter 512/4096/4096:f16 ours",
+                    "reduce_scatter 512/4096/4096:f16 ours_cfg1"]
+  ours, loopback, _, broken = calls
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  assert ours.config == selection.select_config(1024, 4096, 4096,
+                                                jnp.bfloat16, 2)
+  assert ours.trace_ranges == bench.trace_ranges(ours.config, 1024, 4096, 2,
+                                                 132)
+  assert loopback.config.tile_n == 256 and loopback.trace_ranges is None
+  assert loopback.kwargs == {"_diagnostic_loopback": True}
+  assert "tile_k=7" in broken.error
+
+
+def _run(script, *args):
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts",
+                                                      script), *args],
+                        capture_output=True, text=True, timeout=300,
+                        cwd=REPO_ROOT)
+
+
+def test_bench_kernels_plan_fails_on_a_config_that_cannot_run():
+  """The 64 x 256 tiles patched into the picked config do not fit at
+  512/4096/4096, whose pick has 128-wide k blocks."""
+  run = _run("bench_kernels.py", "--plan", "2", "--shapes",
+             "1024/4096/4096", "512/4096/4096", "--rs-shapes", "--config",
+             '{"selected": true, "tile_m": 64, "tile_n": 256, '
+             '"wg_dimension": "m"}')
+  assert run.returncode == 1, run.stderr[-2000:]
+  lines = [x for x in run.stdout.splitlines() if " D=2 " in x]
+  assert len(lines) == 4
+  assert "FAILED" not in "".join(lines[:3]), run.stdout
+  assert "512/4096/4096:bf16 ours_cfg1" in lines[3]
+  assert "needs 328704 bytes of shared memory" in lines[3]
+  assert run.stdout.splitlines()[-1] == "plan: 3 ok, 1 failed"
+
+
+def test_bench_gemm_core_plan_passes_the_picked_configs():
+  run = _run("bench_gemm_core.py", "--plan", "--shapes", "8192/4096/4096")
+  assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+  assert run.stdout.splitlines()[-1] == "plan: 2 ok, 0 failed"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "1024/4096"], "expected m/k/n[:dtype]"),
+    (["--shapes", "1024/4096/4096:f8"], "dtype 'f8'"),
+    (["--config", '{"tile_q": 1}'], "tile_q"),
+    (["--plan", "0"], "must be >= 1"),
+])
+def test_bench_kernels_rejects_bad_arguments_before_any_gpu_work(args,
+                                                                message):
+  run = _run("bench_kernels.py", *args)
+  assert run.returncode == 2, run.stdout + run.stderr[-2000:]
+  assert message in run.stderr

@@ -1,0 +1,122 @@
+"""What the benchmark scripts record per shape, on CPU: the Hopper kernels
+replaced by plain matmuls and CUPTI by a call of the function, so the rows'
+keys, configs, error checks and reports run without a GPU (the GPU runs
+themselves are in benchmarks/kernel_lead/)."""
+import argparse
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from cm_test_utils import import_script
+
+
+def _run_once(f, *operands, iterations):
+  del iterations
+  return jax.block_until_ready(f(*operands)), 2.0, {"fake": 2.0}
+
+
+def _fake_all_gather_kernel(a, b, axis_name, *, config,
+                            _diagnostic_loopback=False):
+  del config, _diagnostic_loopback
+  return lax.all_gather(a, axis_name, axis=0, tiled=True) @ b
+
+
+def _fake_reduce_scatter_kernel(a, b, axis_name, *, config,
+                                _diagnostic_loopback=False):
+  del config, _diagnostic_loopback
+  return lax.psum_scatter(a @ b, axis_name, scatter_dimension=0, tiled=True)
+
+
+def _fake_kernels(real):
+  return types.SimpleNamespace(
+      AllGatherConfig=real.AllGatherConfig,
+      ReduceScatterConfig=real.ReduceScatterConfig,
+      all_gather_lhs_matmul=_fake_all_gather_kernel,
+      matmul_reduce_scatter=_fake_reduce_scatter_kernel)
+
+
+@pytest.fixture
+def gemm_core(monkeypatch):
+  bench = import_script("bench_gemm_core")
+  monkeypatch.setattr(bench, "kernel_time_us", _run_once)
+  monkeypatch.setattr(bench, "kernels", _fake_kernels(bench.kernels))
+  return bench
+
+
+def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
+    gemm_core):
+  args = argparse.Namespace(
+      iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
+      trace_dir=None,
+      variant=[gemm_core.parse_variant('w256={"tile_m": 64, "tile_n": 256, '
+                                       '"wg_dimension": "m"}'),
+               gemm_core.parse_variant('rs_bad={"tile_m": 7}')])
+  row = gemm_core.bench("256/512/256", args)
+  for name in ("cublas", "ours_ag", "ours_rs", "ours_w256"):
+    assert row[f"{name}_rel_err"] < 1e-2, name
+    assert row[f"{name}_rounds_us"] == [2.0, 2.0]
+  # The all-gather core runs without senders but records the ring's pick.
+  core, picked = gemm_core.core_ag_config(256, 512, 256)
+  assert row["ours_ag_config"] == gemm_core.dataclasses.asdict(picked)
+  assert core.sender_sms == 0
+  assert row["ours_w256_config"]["tile_n"] == 256
+  assert "tile_m=7" in row["ours_rs_bad_error"]
+  assert "ours_rs_bad_us" not in row
+
+
+def _kernels_args(**kw):
+  base = dict(iterations=1, rounds=1, skip_seed=True, windowed=False,
+              trace_dir=None, trace_warmups=1, config=[], rs_config=[])
+  base.update(kw)
+  return argparse.Namespace(**base)
+
+
+@pytest.fixture
+def bench_kernels(monkeypatch):
+  bench = import_script("bench_kernels")
+  monkeypatch.setattr(bench, "kernel_time_us", _run_once)
+  monkeypatch.setattr(bench, "kernels", _fake_kernels(bench.kernels))
+  # What impl="pallas" runs: the (faked) kernel.
+  real_cm = bench.cm
+
+  def all_gather_matmul(a, b, axis_name, *, impl, kernel_config=None):
+    if impl == "pallas":
+      return _fake_all_gather_kernel(a, b, axis_name, config=kernel_config)
+    return real_cm.all_gather_matmul(a, b, axis_name, impl=impl)
+
+  monkeypatch.setattr(bench, "cm", types.SimpleNamespace(
+      all_gather_matmul=all_gather_matmul))
+  return bench
+
+
+def test_all_gather_row_checks_every_method_against_f32(bench_kernels):
+  k = bench_kernels.kernels
+  args = _kernels_args(config=[
+      bench_kernels.parse_config(k.AllGatherConfig,
+                                 '{"selected": true, "tile_n": 64}'),
+      bench_kernels.parse_config(k.AllGatherConfig,
+                                 '{"selected": true, "tile_n": 5}')])
+  row = bench_kernels.bench_shape(64, 128, 64, "bf16", args)
+  d = jax.device_count()
+  assert row["D"] == d and row["shape"] == "64/128/64"
+  for key in ("nccl", "ours", "ours_cfg1", "ring"):
+    assert row[f"{key}_rel_err"] < 1e-2, key
+  assert row["ours_repeat_identical"] and row["ours_cfg1_config"]["tile_n"] == 64
+  assert row["bound_us"] == 2.0 * d  # D x the local GEMM.
+  assert "tile_n=5" in row["ours_cfg2_error"]
+  assert row["ours_tflops"] == 2 * d * 64 * 128 * 64 / 2.0 / 1e6
+
+
+def test_reduce_scatter_row_checks_against_f32_and_marks_loopback(
+    bench_kernels):
+  k = bench_kernels.kernels
+  args = _kernels_args(rs_config=[bench_kernels.parse_config(
+      k.ReduceScatterConfig, '{"selected": true, "loopback": true}')])
+  row = bench_kernels.bench_reduce_scatter(64, 128, 64, "f16", args)
+  assert row["pattern"] == "reduce_scatter" and row["dtype"] == "f16"
+  assert row["ours_rel_err"] < 1e-2 and row["nccl_rel_err"] < 1e-2
+  assert row["ours_cfg1_loopback"] and "ours_loopback" not in row
+  assert row["ours_config"] == row["ours_cfg1_config"]
