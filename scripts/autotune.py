@@ -4,18 +4,48 @@
   python scripts/autotune.py --pattern reduce_scatter --shapes 1024/4096/4096
   python scripts/autotune.py --shapes 8192/4096/11008 --rounds 5  # finalists
 
+  python scripts/autotune.py --plan 2 --shapes 1024/4096/4096  # no GPU
+
 Uses all local GPUs as one ring (mesh axis "x"). The cache path is
 $COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
+With --plan D nothing runs on a GPU: every candidate the sweep would time
+at D devices is traced on emulated CPU devices and, with JAX >= 0.12,
+lowered for CUDA (`bench_plan`); candidates over shared memory are listed
+as failed (the sweep skips those), anything else that fails would stop it.
 """
 import argparse
+import sys
 
-import jax
+import script_setup  # pylint: disable=g-bad-import-order
+
+script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
+
+import jax  # pylint: disable=g-bad-import-order
 import jax.numpy as jnp
 
-import collective_matmul as cm
 from collective_matmul import autotuning
+import bench_plan  # pylint: disable=g-bad-import-order
 
-cm.prepare_xla_for_kernels()  # Before JAX starts its GPU backend.
+
+def plan_calls(args, d):
+  """The sweep's candidates at D devices, as `bench_plan.Call`s."""
+  dtype = DTYPES[args.dtype]
+  return [bench_plan.ring_call(f"{args.pattern} {text} #{i}", args.pattern,
+                               config, *parse_shape(text), d, dtype)
+          for text in args.shapes
+          for i, config in enumerate(autotuning.candidate_configs(
+              args.pattern, *parse_shape(text), dtype, d))]
+
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def parse_shape(text):
+  parts = text.split("/")
+  if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+    raise ValueError(f"--shapes {text!r}: expected m/k/n, three positive "
+                     "integers")
+  return tuple(map(int, parts))
 
 
 def main():
@@ -33,12 +63,25 @@ def main():
                       choices=list(autotuning.PATTERNS),
                       help="which kernel: all_gather (shapes: shard m/k/n) "
                       "or reduce_scatter (m rows after the scatter/k/n)")
+  parser.add_argument("--plan", type=int, default=None, metavar="D",
+                      help="no GPU: trace (and where JAX can, lower for "
+                      "CUDA) every candidate at D devices on emulated CPU "
+                      "devices; exit 1 if any fails")
   args = parser.parse_args()
-  dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16}[args.dtype]
+  try:
+    for text in args.shapes:
+      parse_shape(text)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.plan is not None:
+    if args.plan < 1:
+      parser.error(f"--plan {args.plan}: the devices must be >= 1")
+    sys.exit(1 if bench_plan.check_plan(plan_calls(args, args.plan)) else 0)
+  dtype = DTYPES[args.dtype]
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   for text in args.shapes:
-    m, k, n = map(int, text.split("/"))
+    m, k, n = parse_shape(text)
     best, results = autotuning.autotune(m, k, n, dtype, mesh, "x",
                                      iterations=args.iterations,
                                      pattern=args.pattern,

@@ -406,19 +406,11 @@ def plan_calls(args, d, num_sms=132):
           calls.append(bench_plan.Broken(f"{label} {key}", d,
                                          f"{type(cfg).__name__}: {cfg}"))
           continue
-        if pattern == "all_gather":
-          kernel, shapes = kernels.all_gather_lhs_matmul, [(d * m, k),
-                                                          (k, d * n)]
-          in_specs, out_spec = [P("x", None), P(None, "x")], P(None, "x")
-        else:
-          kernel, shapes = kernels.matmul_reduce_scatter, [(d * m, d * k),
-                                                          (d * k, n)]
-          in_specs, out_spec = [P(None, "x"), P("x", None)], P("x", None)
-        calls.append(bench_plan.Call(
-            f"{label} {key}" + (" (loopback)" if loopback else ""), kernel,
-            cfg, shapes, in_specs, out_spec, d, dtype,
-            {"_diagnostic_loopback": True} if loopback else {},
-            trace_ranges(cfg, m, n, d, num_sms)
+        calls.append(bench_plan.ring_call(
+            f"{label} {key}" + (" (loopback)" if loopback else ""), pattern,
+            cfg, m, k, n, d, dtype,
+            kwargs={"_diagnostic_loopback": True} if loopback else {},
+            trace_ranges=trace_ranges(cfg, m, n, d, num_sms)
             if args.trace_dir and not loopback else None))
   return calls
 

@@ -47,6 +47,24 @@ class Call:
   trace_ranges: int | None = None
 
 
+def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
+              d: int, dtype=jnp.bfloat16, **kw) -> Call:
+  """The `Call` of a ring kernel at local sizes m x k x n over D devices,
+  with the operands the benchmarks and autotuning give it. `pattern`:
+  "all_gather" (shards m x k and k x n) or "reduce_scatter" (m rows after
+  the scatter, k the local contraction)."""
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  if pattern == "all_gather":
+    return Call(label, kernels.all_gather_lhs_matmul, config,
+                [(d * m, k), (k, d * n)], [P("x", None), P(None, "x")],
+                P(None, "x"), d, dtype, **kw)
+  if pattern == "reduce_scatter":
+    return Call(label, kernels.matmul_reduce_scatter, config,
+                [(d * m, d * k), (d * k, n)], [P(None, "x"), P("x", None)],
+                P("x", None), d, dtype, **kw)
+  raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
+
+
 @dataclasses.dataclass(frozen=True)
 class Broken:
   """A call the plan could not even build (e.g. a patched config with a

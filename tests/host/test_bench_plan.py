@@ -145,3 +145,33 @@ def test_bench_kernels_rejects_bad_arguments_before_any_gpu_work(args,
   run = _run("bench_kernels.py", *args)
   assert run.returncode == 2, run.stdout + run.stderr[-2000:]
   assert message in run.stderr
+
+
+def test_ring_call_gives_each_kernel_its_operands():
+  plan = _plan()
+  ag = plan.ring_call("x", "all_gather", FITS, 8, 16, 32, 2)
+  rs = plan.ring_call("x", "reduce_scatter", FITS, 8, 16, 32, 2)
+  assert ag.shapes == [(16, 16), (16, 64)] and ag.out_spec == P(None, "x")
+  assert rs.shapes == [(16, 32), (32, 32)] and rs.out_spec == P("x", None)
+  with pytest.raises(ValueError, match="all_gather or reduce_scatter"):
+    plan.ring_call("x", "all_to_all", FITS, 8, 16, 32, 2)
+
+
+@pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
+def test_autotune_plans_every_candidate_of_the_sweep(pattern):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  autotune = import_script("autotune")
+  args = argparse.Namespace(shapes=["512/1024/512"], pattern=pattern,
+                            dtype="f16")
+  calls = autotune.plan_calls(args, 4)
+  expected = list(autotuning.candidate_configs(pattern, 512, 1024, 512,
+                                               jnp.float16, 4))
+  assert [c.config for c in calls] == expected and len(expected) > 5
+  assert {(c.devices, c.dtype) for c in calls} == {(4, jnp.float16)}
+  assert calls[0].label == f"{pattern} 512/1024/512 #0"
+
+
+def test_autotune_rejects_a_malformed_shape():
+  run = _run("autotune.py", "--plan", "2", "--shapes", "512/1024")
+  assert run.returncode == 2 and "expected m/k/n" in run.stderr
