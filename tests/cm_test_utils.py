@@ -37,6 +37,44 @@ def pallas_mlp(save_gathered):
   return mlp
 
 
+def kernel_configs(pattern):
+  """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
+  for CUDA, interpreted) cover: each schedule and send kind, chained at and
+  off the pipeline depth (`_OffsetChain`), and 64 x 256 warpgroup tiles.
+  `pattern`: "all_gather" or "reduce_scatter"."""
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  ag, rs = kernels.AllGatherConfig, kernels.ReduceScatterConfig
+  if pattern == "all_gather":
+    return {
+        "default": ag(),
+        "eager_chained": ag(eager_release=True, chain_tiles=True),
+        "k_major_senders": ag(sender_sms=4, k_major_sends=True),
+        "by_rows_senders_chained": ag(sender_sms=4, chain_tiles=True),
+        # Chained off the pipeline depth, with each kind of send.
+        "offset_chain_eager": ag(eager_release=True, chain_tiles=True,
+                                 max_concurrent_steps=3),
+        "offset_chain_k_major": ag(sender_sms=4, k_major_sends=True,
+                                   chain_tiles=True, max_concurrent_steps=3),
+        "offset_chain_by_rows": ag(sender_sms=4, chain_tiles=True,
+                                   max_concurrent_steps=3),
+        "wide_k_senders": ag(tile_n=64, tile_k=128, max_concurrent_steps=3,
+                             sender_sms=4, k_major_sends=True),
+        "wide_warpgroup_tiles": ag(tile_m=64, tile_n=256, wg_dimension="m",
+                                   eager_release=True, chain_tiles=True),
+    }
+  if pattern == "reduce_scatter":
+    return {
+        "default": rs(),
+        "whole_tile_epilogue": rs(epi_tile_n=128, max_concurrent_steps=3,
+                                  send_pieces=4, send_gap=3),
+        "chained": rs(chain_tiles=True),
+        "offset_chain": rs(epi_tile_n=128, max_concurrent_steps=3,
+                           send_pieces=2, chain_tiles=True),
+        "wide_warpgroup_tiles": rs(tile_m=64, tile_n=256, wg_dimension="m"),
+    }
+  raise ValueError(f"pattern {pattern!r}")
+
+
 def import_script(name):
   """scripts/<name>.py as a module, for its functions. What importing it
   sets in os.environ for a GPU run (NCCL and XLA variables) is undone, so

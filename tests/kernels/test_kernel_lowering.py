@@ -21,40 +21,15 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 
+from cm_test_utils import kernel_configs
 from cm_test_utils import pallas_mlp
 
 _VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(
     _VERSION < (0, 12), reason="Mosaic GPU lowers off GPU from JAX 0.12 on")
 
-AG = kernels.AllGatherConfig
-RS = kernels.ReduceScatterConfig
-ALL_GATHER = {
-    "default": AG(),
-    "eager_chained": AG(eager_release=True, chain_tiles=True),
-    "k_major_senders": AG(sender_sms=4, k_major_sends=True),
-    "by_rows_senders_chained": AG(sender_sms=4, chain_tiles=True),
-    # Chained off the pipeline depth (`_OffsetChain`), with each kind of send.
-    "offset_chain_eager": AG(eager_release=True, chain_tiles=True,
-                             max_concurrent_steps=3),
-    "offset_chain_k_major": AG(sender_sms=4, k_major_sends=True,
-                               chain_tiles=True, max_concurrent_steps=3),
-    "offset_chain_by_rows": AG(sender_sms=4, chain_tiles=True,
-                               max_concurrent_steps=3),
-    "wide_k_senders": AG(tile_n=64, tile_k=128, max_concurrent_steps=3,
-                         sender_sms=4, k_major_sends=True),
-    "wide_warpgroup_tiles": AG(tile_m=64, tile_n=256, wg_dimension="m",
-                               eager_release=True, chain_tiles=True),
-}
-REDUCE_SCATTER = {
-    "default": RS(),
-    "whole_tile_epilogue": RS(epi_tile_n=128, max_concurrent_steps=3,
-                              send_pieces=4, send_gap=3),
-    "chained": RS(chain_tiles=True),
-    "offset_chain": RS(epi_tile_n=128, max_concurrent_steps=3,
-                       send_pieces=2, chain_tiles=True),
-    "wide_warpgroup_tiles": RS(tile_m=64, tile_n=256, wg_dimension="m"),
-}
+ALL_GATHER = kernel_configs("all_gather")
+REDUCE_SCATTER = kernel_configs("reduce_scatter")
 
 
 def _kernel_calls(text):
