@@ -30,6 +30,7 @@ from collective_matmul import selection
 from cm_test_utils import kernel_configs
 from cm_test_utils import mesh_1d
 from cm_test_utils import normal
+from cm_test_utils import pallas_mlp
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 pytestmark = pytest.mark.skipif(
@@ -163,3 +164,41 @@ def test_all_gather_returns_the_gathered_operand(keys):
                        kernels.AllGatherConfig(), a, b, return_gathered=True)
   _check(out, a, b)
   np.testing.assert_array_equal(np.asarray(gathered)[0], np.asarray(a))
+
+
+@pytest.mark.parametrize("save_gathered", [True, False])
+def test_a_pallas_mlp_trains_forward_and_backward(save_gathered, keys,
+                                                  monkeypatch):
+  """value_and_grad through both ops with impl="pallas" (4 kernel calls:
+  each op's kernel forward, the other one transposed in the backward)
+  against the same MLP in f32, at D = 1."""
+  from collective_matmul import ops  # pylint: disable=g-import-not-at-top
+  # The ops refuse impl="pallas" off a Hopper GPU; here it is interpreted.
+  monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
+  x = normal(keys(), (2, 256, 256), jnp.bfloat16)
+  wi = (normal(keys(), (256, 512), jnp.float32) / 16).astype(jnp.bfloat16)
+  wo = (normal(keys(), (512, 256), jnp.float32) / 22).astype(jnp.bfloat16)
+  specs = (P(None, "x", None), P(None, "x"), P("x", None))
+
+  def loss(mlp):
+    return lambda *args: jnp.sum(jnp.square(mlp(*args).astype(jnp.float32)))
+
+  def reference_mlp(x, wi, wo):
+    h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x, wi))
+    return jnp.einsum("bsf,fd->bsd", h, wo)
+
+  grad = jax.value_and_grad(loss(pallas_mlp(save_gathered)), (0, 1, 2))
+  with jax.set_mesh(mesh_1d(1)):
+    f = jax.jit(jax.shard_map(grad, in_specs=specs, out_specs=(P(), specs),
+                              check_vma=False))
+    args = [jax.sharding.reshard(a, s) for a, s in zip((x, wi, wo), specs)]
+    hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 4
+    value, grads = _interpreted(lambda: f(*args))
+  f32 = [np.asarray(a, np.float32) for a in (x, wi, wo)]
+  want_value, want_grads = jax.value_and_grad(loss(reference_mlp),
+                                              (0, 1, 2))(*f32)
+  assert abs(float(value) / float(want_value) - 1) < TOLERANCE
+  for got, want in zip(grads, want_grads):
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
