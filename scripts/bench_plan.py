@@ -1,5 +1,5 @@
-"""A planned benchmark run checked without a GPU (`--plan D` of
-bench_kernels.py and bench_gemm_core.py).
+"""A planned GPU run checked without a GPU (`--plan` of bench_kernels.py,
+bench_gemm_core.py and autotune.py).
 
 Runs 35, 37 and 53 (benchmarks/kernel_lead/) each spent device time on
 configs that could not run: shared memory over the limit, once only with
