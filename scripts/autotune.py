@@ -21,31 +21,27 @@ import script_setup  # pylint: disable=g-bad-import-order
 script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
 
 import jax  # pylint: disable=g-bad-import-order
-import jax.numpy as jnp
 
 from collective_matmul import autotuning
 import bench_plan  # pylint: disable=g-bad-import-order
 
 
+def parse_shape(text):
+  """--shapes' 'm/k/n' -> (m, k, n) (the dtype is --dtype's)."""
+  if ":" in text:
+    raise ValueError(f"--shapes {text!r}: expected m/k/n (the dtype is "
+                     "--dtype's)")
+  return bench_plan.parse_shape(text)[:3]
+
+
 def plan_calls(args, d):
   """The sweep's candidates at D devices, as `bench_plan.Call`s."""
-  dtype = DTYPES[args.dtype]
+  dtype = bench_plan.DTYPES[args.dtype]
   return [bench_plan.ring_call(f"{args.pattern} {text} #{i}", args.pattern,
                                config, *parse_shape(text), d, dtype)
           for text in args.shapes
           for i, config in enumerate(autotuning.candidate_configs(
               args.pattern, *parse_shape(text), dtype, d))]
-
-
-DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
-
-
-def parse_shape(text):
-  parts = text.split("/")
-  if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-    raise ValueError(f"--shapes {text!r}: expected m/k/n, three positive "
-                     "integers")
-  return tuple(map(int, parts))
 
 
 def main():
@@ -77,7 +73,7 @@ def main():
     if args.plan < 1:
       parser.error(f"--plan {args.plan}: the devices must be >= 1")
     sys.exit(1 if bench_plan.check_plan(plan_calls(args, args.plan)) else 0)
-  dtype = DTYPES[args.dtype]
+  dtype = bench_plan.DTYPES[args.dtype]
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   for text in args.shapes:

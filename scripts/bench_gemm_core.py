@@ -315,8 +315,11 @@ def main():
   except ValueError as e:
     parser.error(str(e))
   for shape in args.shapes:
-    dims = shape.split("/")
-    if len(dims) != 3 or not all(x.isdigit() and int(x) > 0 for x in dims):
+    try:
+      if ":" in shape:
+        raise ValueError("bf16 only")
+      bench_plan.parse_shape(shape)
+    except ValueError:
       parser.error(f"--shapes {shape!r}: expected M/K/N, three positive "
                    "integers (e.g. 16384/4096/2048)")
   if args.iterations < 1 or args.rounds < 1 or args.trace_warmups < 0:

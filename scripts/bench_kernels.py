@@ -68,7 +68,8 @@ import warpgroup_trace  # pylint: disable=g-bad-import-order
 SHAPES = ["1024/4096/4096:bf16", "1024/4096/4096:f16", "2048/4096/4096:bf16",
           "4096/8192/7168:bf16", "8192/8192/14336:bf16",
           "2048/8192/14336:bf16", "512/4096/4096:bf16"]
-DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+DTYPES = bench_plan.DTYPES
+parse_shape = bench_plan.parse_shape
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true "
                   "--xla_gpu_use_memcpy_local_p2p=true")
@@ -139,16 +140,6 @@ def one_device_mesh():
   """The first device alone (the bound's GEMM runs there)."""
   return jax.make_mesh((1,), ("x",), devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def parse_shape(text):
-  """'m/k/n[:dtype]' -> (m, k, n, dtype name); ValueError if malformed."""
-  dims, _, dtype = text.partition(":")
-  parts = dims.split("/")
-  if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-    raise ValueError(f"shape {text!r}: expected m/k/n[:dtype], three "
-                     "positive integers (e.g. 1024/4096/4096:bf16)")
-  return (*map(int, parts), dtype or "bf16")
 
 
 def rel_error(out, ref):
@@ -527,10 +518,7 @@ def main():
                  ">= 0")
   try:
     for text in args.shapes + args.rs_shapes:
-      _, _, _, dtype_name = parse_shape(text)
-      if dtype_name not in DTYPES:
-        raise ValueError(f"dtype {dtype_name!r} of {text!r}: one of "
-                         f"{sorted(DTYPES)}")
+      parse_shape(text)
     args.config = [parse_config(kernels.AllGatherConfig, c)
                    for c in args.config]
     args.rs_config = [parse_config(kernels.ReduceScatterConfig, c)

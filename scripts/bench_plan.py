@@ -29,6 +29,23 @@ LOWERS_OFF_GPU = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (
     0, 12)
 
 
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def parse_shape(text: str):
+  """'m/k/n[:dtype]' (the GPU scripts' --shapes) -> (m, k, n, dtype name,
+  bf16 if none); ValueError if malformed or of another dtype."""
+  dims, _, dtype = text.partition(":")
+  parts = dims.split("/")
+  if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+    raise ValueError(f"shape {text!r}: expected m/k/n[:dtype], three "
+                     "positive integers (e.g. 1024/4096/4096:bf16)")
+  dtype = dtype or "bf16"
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype {dtype!r} of {text!r}: one of {sorted(DTYPES)}")
+  return (*map(int, parts), dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One kernel call of a planned run: `kernel(a, b, axis_name="x",

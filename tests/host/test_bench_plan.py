@@ -26,16 +26,12 @@ def _plan():
   return import_script("bench_plan")
 
 
-def _all_gather_call(plan, config, d=2, m=512, k=1024, n=512, **kw):
-  return plan.Call("ag", kernels.all_gather_lhs_matmul, config,
-                   [(d * m, k), (k, d * n)], [P("x", None), P(None, "x")],
-                   P(None, "x"), d, **kw)
+def _all_gather_call(plan, config, **kw):
+  return plan.ring_call("ag", "all_gather", config, 512, 1024, 512, 2, **kw)
 
 
-def _reduce_scatter_call(plan, config, d=2, m=512, k=1024, n=512):
-  return plan.Call("rs", kernels.matmul_reduce_scatter, config,
-                   [(d * m, d * k), (d * k, n)], [P(None, "x"), P("x", None)],
-                   P("x", None), d)
+def _reduce_scatter_call(plan, config):
+  return plan.ring_call("rs", "reduce_scatter", config, 512, 1024, 512, 2)
 
 
 def test_a_config_over_shared_memory_fails_and_one_that_fits_passes():

@@ -6,7 +6,6 @@ import argparse
 import types
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax import lax
 
