@@ -94,7 +94,7 @@ def old_rows():
                    if coll == Collective.ALL_GATHER
                    else selection.select_config)
         row.append(config_text(bselect(m, n, k, bdtype, case["axis"],
-                                       out_dtype=dtype)))
+                                       case["cores"], out_dtype=dtype)))
         row.append(selection.config_source(
             m, n, k, bdtype, case["axis"], dtype, pattern=coll.transpose))
     out[key(case)] = "|".join(row)
