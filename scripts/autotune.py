@@ -14,11 +14,14 @@ lowered for CUDA (`bench_plan`); candidates over shared memory are listed
 as failed (the sweep skips those), anything else that fails would stop it.
 """
 import argparse
+import os
 import sys
 
 import script_setup  # pylint: disable=g-bad-import-order
 
 script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
+# The plan check is a GPU tool's (tools/bench_plan.py).
+sys.path.insert(0, os.path.join(script_setup.REPO_ROOT, "tools"))
 
 import jax  # pylint: disable=g-bad-import-order
 

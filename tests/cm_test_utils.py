@@ -19,6 +19,7 @@ import numpy as np
 DN_LAST = lambda ndim: (((ndim - 1,), (0,)), ((), ()))  # x[..., k] @ w[k, n]
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))), "scripts")
+TOOLS = os.path.join(os.path.dirname(SCRIPTS), "tools")
 
 
 def pallas_mlp(save_gathered):
@@ -76,15 +77,16 @@ def kernel_configs(pattern):
 
 
 def import_script(name):
-  """scripts/<name>.py as a module, for its functions. What importing it
-  sets in os.environ for a GPU run (NCCL and XLA variables) is undone, so
-  the rest of the test session does not see it."""
-  saved = dict(os.environ)
-  sys.path.insert(0, SCRIPTS)
+  """scripts/<name>.py or tools/<name>.py as a module, for its functions.
+  What importing it sets in os.environ for a GPU run (NCCL and XLA
+  variables) and in sys.path is undone, so the rest of the test session
+  does not see it."""
+  saved, saved_path = dict(os.environ), list(sys.path)
+  sys.path[:0] = [SCRIPTS, TOOLS]
   try:
     return importlib.import_module(name)
   finally:
-    sys.path.pop(0)
+    sys.path[:] = saved_path
     os.environ.clear()
     os.environ.update(saved)
 

@@ -1,7 +1,7 @@
 """One process per GPU (jax.distributed): both kernels over 2 processes.
 
 Run as two processes with RANK=0 and RANK=1. Environment knobs (for the
-diagnostics in scripts/gpu_multiprocess_diag.sh):
+diagnostics in tools/gpu_multiprocess_diag.sh):
   CM_MP_DEVICES=visible  each process sees only its GPU (CUDA_VISIBLE_DEVICES
                          set by the launcher); default: local_device_ids.
   CM_MP_NVSHMEM=1        Mosaic GPU reaches peers through NVSHMEM

@@ -1,6 +1,6 @@
 """`kernels.trace_warpgroups` on Hopper: traced kernels give the untraced
 results, bit for bit, and every tile's k loop and epilogue is in the trace
-(read back with scripts/warpgroup_trace.py)."""
+(read back with tools/warpgroup_trace.py)."""
 import functools
 import glob
 

@@ -23,15 +23,15 @@ except a config run in loopback (`"loopback": true` in its --config /
 With --trace-dir DIR each of our kernels also runs under
 `kernels.trace_warpgroups` (--trace-warmups calls, then the one whose trace
 is kept): per tile, its k loop, epilogue and waits, in SM cycles
-(scripts/warpgroup_trace.py reads and plots the traces).
+(tools/warpgroup_trace.py reads and plots the traces).
 With --plan D nothing runs on a GPU: every kernel call the same arguments
 would time (the picked configs, each --config / --rs-config, traced too
 with --trace-dir) is traced on D emulated CPU devices, and lowered for CUDA
 where JAX can (>= 0.12), so a config that cannot run fails here, not in
 device time (`bench_plan`).
 
-  python scripts/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
-  python scripts/bench_kernels.py --plan 2 --config '{"selected": true, ...}'
+  python tools/bench_kernels.py --out benchmarks/raw.json [--shapes ...]
+  python tools/bench_kernels.py --plan 2 --config '{"selected": true, ...}'
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import script_setup  # pylint: disable=g-bad-import-order
+import tool_setup  # pylint: disable=g-bad-import-order
 
-script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
+tool_setup.prepare()  # CPU devices for --plan; packages from the checkout.
 
 import jax
 from jax import lax

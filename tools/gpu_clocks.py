@@ -11,7 +11,7 @@ cores' peak the kernel reached in cycles (4096 dense bf16 flop per cycle
 per SM on Hopper): with the clock divided out, it is what the kernel's
 schedule costs, apart from power.
 
-  python scripts/gpu_clocks.py   # the GPU's clock and power now, idle
+  python tools/gpu_clocks.py   # the GPU's clock and power now, idle
 """
 from __future__ import annotations
 

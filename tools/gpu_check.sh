@@ -4,7 +4,7 @@
 # and a one-line summary on stdout.
 #
 # Usage (GPU machine, repo root):
-#   bash scripts/gpu_check.sh OUTDIR STEP [STEP ...]
+#   bash tools/gpu_check.sh OUTDIR STEP [STEP ...]
 # Steps:
 #   tests_rs     tests/gpu/test_reduce_scatter_kernel.py
 #   tests_ag     tests/gpu/test_all_gather_kernel.py (one process; the
@@ -56,15 +56,15 @@ for step in "$@"; do
       wait
       grep -h "^OK " "$out"/multiprocess_*.log || tail -3 "$out"/multiprocess_*.log;;
     bench_rs)
-      run_step bench_rs 300 python scripts/bench_kernels.py --shapes \
+      run_step bench_rs 300 python tools/bench_kernels.py --shapes \
         --out "$out/raw_reduce_scatter.json" "${bench_args[@]}"
       tail -5 "$out/bench_rs.log";;
     bench_ag)
-      run_step bench_ag 330 python scripts/bench_kernels.py --rs-shapes \
+      run_step bench_ag 330 python tools/bench_kernels.py --rs-shapes \
         --out "$out/raw_kernels.json" "${bench_args[@]}"
       tail -9 "$out/bench_ag.log";;
     bench)
-      run_step bench 500 python scripts/bench_kernels.py \
+      run_step bench 500 python tools/bench_kernels.py \
         --out "$out/raw_bench.json" "${bench_args[@]}"
       grep -A12 "^pattern" "$out/bench.log";;
     ab)

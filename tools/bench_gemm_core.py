@@ -32,7 +32,7 @@ clock, go into the row as `*_clock` (these GEMMs are power-bound: a kernel
 that loads more per flop runs at a lower clock). Every
 result is checked against an f32 reference, with outputs poisoned.
 
-  python scripts/bench_gemm_core.py --shapes 16384/4096/2048 --out core.json
+  python tools/bench_gemm_core.py --shapes 16384/4096/2048 --out core.json
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import script_setup  # pylint: disable=g-bad-import-order
+import tool_setup  # pylint: disable=g-bad-import-order
 
-script_setup.prepare()  # CPU devices for --plan; packages from the checkout.
+tool_setup.prepare()  # CPU devices for --plan; packages from the checkout.
 
 import jax
 import jax.numpy as jnp

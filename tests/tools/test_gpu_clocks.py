@@ -1,4 +1,4 @@
-"""scripts/gpu_clocks.py: the clock and power a GPU holds under a kernel,
+"""tools/gpu_clocks.py: the clock and power a GPU holds under a kernel,
 from nvidia-smi's CSV (a fake nvidia-smi here: no GPU on CI)."""
 import os
 import stat

@@ -1,5 +1,5 @@
 """`--plan`: a benchmark run's kernel calls checked on CPU before device
-time is spent (scripts/bench_plan.py; runs 35, 37 and 53 lost variants to
+time is spent (tools/bench_plan.py; runs 35, 37 and 53 lost variants to
 shared memory that a CPU could have counted)."""
 import argparse
 import json
@@ -13,13 +13,14 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 from cm_test_utils import import_script
-from host_test_utils import REPO_ROOT
 
 # 64 x 256 warpgroup tiles with a 64 x 128 epilogue tile: run 53's variant
 # that did not fit (263168 bytes).
 TOO_BIG = kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m",
                                   epi_tile_n=128)
 FITS = kernels.AllGatherConfig(tile_m=64, tile_n=256, wg_dimension="m")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def _plan():
@@ -102,7 +103,8 @@ def test_bench_kernels_plans_what_it_would_time():
 
 
 def _run(script, *args):
-  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts",
+  folder = "scripts" if script == "autotune.py" else "tools"
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, folder,
                                                       script), *args],
                         capture_output=True, text=True, timeout=300,
                         cwd=REPO_ROOT)

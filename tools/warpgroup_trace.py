@@ -17,7 +17,7 @@ collectives' waits. This script turns one such trace into figures:
 Times inside a block are SM clock cycles (`%clock`); the profiler's own
 cost per event (about 12 cycles) is already taken out by JAX.
 
-  python scripts/warpgroup_trace.py TRACE.json [--plot timeline.png]
+  python tools/warpgroup_trace.py TRACE.json [--plot timeline.png]
 """
 from __future__ import annotations
 

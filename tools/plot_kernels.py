@@ -1,6 +1,6 @@
 """Plot a bench_kernels.py JSON: time per method per shape, relative to the bound.
 
-  python scripts/plot_kernels.py benchmarks/raw_kernels_h200x2.json \
+  python tools/plot_kernels.py benchmarks/raw_kernels_h200x2.json \
       benchmarks/kernels_h200x2.png
 """
 import json
@@ -53,7 +53,7 @@ def main(src, dst):
 if __name__ == "__main__":
   import argparse
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("src", help="JSON written by scripts/bench_kernels.py")
+  parser.add_argument("src", help="JSON written by tools/bench_kernels.py")
   parser.add_argument("dst", help="PNG to write")
   args = parser.parse_args()
   main(args.src, args.dst)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One process per GPU: which setup works? Runs tests/gpu/multiprocess_check.py
 # as 2 processes under several setups, 90 s each, logs under OUTDIR.
-# Usage (GPU machine, repo root): bash scripts/gpu_multiprocess_diag.sh OUTDIR
+# Usage (GPU machine, repo root): bash tools/gpu_multiprocess_diag.sh OUTDIR
 set -u
 out=${1:-/tmp/mp}; mkdir -p "$out"
 export PYTHONPATH=plugin:host NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

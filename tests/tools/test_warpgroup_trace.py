@@ -1,4 +1,4 @@
-"""scripts/warpgroup_trace.py reads the traces JAX's Mosaic GPU profiler
+"""tools/warpgroup_trace.py reads the traces JAX's Mosaic GPU profiler
 writes: built here with JAX's own `ProfilerSpec.dump` from a buffer laid out
 as the on-device profiler fills it."""
 import json
