@@ -9,9 +9,10 @@
 Uses all local GPUs as one ring (mesh axis "x"). The cache path is
 $COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
 With --plan D nothing runs on a GPU: every candidate the sweep would time
-at D devices is traced on emulated CPU devices and, with JAX >= 0.12,
-lowered for CUDA (`bench_plan`); candidates over shared memory are listed
-as failed (the sweep skips those), anything else that fails would stop it.
+at D devices, and the ring it checks them against, is traced on emulated
+CPU devices and, with JAX >= 0.12, lowered for CUDA (`bench_plan`);
+candidates over shared memory are listed as failed (the sweep skips
+those), anything else that fails would stop it.
 """
 import argparse
 import os
@@ -37,14 +38,36 @@ def parse_shape(text):
   return bench_plan.parse_shape(text)[:3]
 
 
+def ring_reference(pattern):
+  """The portable ring the sweep checks every candidate against (impl
+  "ring" of the op), in shard_map over "x"."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  op, out_spec = ((cm.all_gather_matmul, P(None, "x"))
+                  if pattern == "all_gather" else
+                  (cm.matmul_reduce_scatter, P("x", None)))
+  return jax.shard_map(functools.partial(op, axis_name="x", impl="ring"),
+                       out_specs=out_spec, check_vma=False)
+
+
 def plan_calls(args, d):
-  """The sweep's candidates at D devices, as `bench_plan.Call`s."""
+  """What the sweep runs at D devices: per shape, its candidates
+  (`bench_plan.Call`s) and the ring reference (`bench_plan.FnCall`)."""
   dtype = bench_plan.DTYPES[args.dtype]
-  return [bench_plan.ring_call(f"{args.pattern} {text} #{i}", args.pattern,
-                               config, *parse_shape(text), d, dtype)
-          for text in args.shapes
-          for i, config in enumerate(autotuning.candidate_configs(
-              args.pattern, *parse_shape(text), dtype, d))]
+  calls = []
+  for text in args.shapes:
+    m, k, n = parse_shape(text)
+    candidates = [bench_plan.ring_call(f"{args.pattern} {text} #{i}",
+                                       args.pattern, config, m, k, n, d,
+                                       dtype)
+                  for i, config in enumerate(autotuning.candidate_configs(
+                      args.pattern, m, k, n, dtype, d))]
+    calls += candidates
+    calls.append(bench_plan.FnCall(
+        f"{args.pattern} {text} ring", ring_reference(args.pattern),
+        candidates[0].shapes, candidates[0].in_specs, d, dtype))
+  return calls
 
 
 def main():

@@ -17,8 +17,8 @@ JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
 name starting `rs_` the reduce-scatter's, to see which tiling choice costs
 what. With `--rounds R` every method of a shape is timed
 R times round-robin and the median is reported (clocks drift between
-back-to-back readings). With `--plan` nothing runs on a GPU: every call of our kernels the same
-arguments would time is traced on a CPU device, and lowered for CUDA where
+back-to-back readings). With `--plan` nothing runs on a GPU: every call the same arguments would
+time (cuBLAS, our kernels, upstream's matmul) is traced on a CPU device, and lowered for CUDA where
 JAX can (>= 0.12), so a variant that cannot run fails here, not in device
 time (`bench_plan`). With `--trace-dir DIR` each of our configs runs
 again under `kernels.trace_warpgroups` (`--trace-warmups` calls first): its
@@ -85,7 +85,9 @@ def poison(nbytes):
 
 
 def upstream_config(cfg, cluster):
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  """Upstream's `TuningConfig` with the tiles of our config `cfg` (an
+  `AllGatherConfig`), clustered along `cluster` (None, "m" or "n")."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
   dim = {"m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N}
   return hm.TuningConfig(
       tile_m=cfg.tile_m, tile_n=cfg.tile_n, tile_k=cfg.tile_k,
@@ -140,12 +142,38 @@ def our_configs(big_m, k, n, variants):
   return out
 
 
+def cublas_matmul():
+  """The cuBLAS arm: XLA's dot of the whole GEMM on one device."""
+  return jax.jit(jnp.dot)
+
+
+def upstream_arms(big_m, k, n, skip=False):
+  """[(name, fn, config)] of upstream's Hopper matmul the run times: the
+  all-gather core config's tiles with no cluster and with 2-block
+  clusters along m and n (none with `skip`)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+  arms = []
+  for cluster in (() if skip else (None, "m", "n")):
+    core, _ = core_ag_config(big_m, k, n)
+    cfg = upstream_config(core, cluster)
+    arms.append((f"upstream_{cluster or 'none'}", jax.jit(
+        lambda x, y, cfg=cfg: hm.matmul(x, y, None, config=cfg)), cfg))
+  return arms
+
+
 def plan_calls(args):
-  """Every call of our kernels the run would time (`bench_plan.Call`s, on
-  one device; H100/H200's 132 SMs for the trace ranges)."""
+  """Every call the run would time, as `bench_plan` checks them on one
+  device: cuBLAS, our kernels (H100/H200's 132 SMs for the trace ranges)
+  and upstream's Hopper matmul (which reads the SM count from the device:
+  132 too)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
   calls = []
   for shape in args.shapes:
     big_m, k, n = map(int, shape.split("/"))
+    operands = dict(shapes=[(big_m, k), (k, n)], in_specs=[P(), P()],
+                    devices=1)
+    calls.append(bench_plan.FnCall(f"{shape} cublas", cublas_matmul(),
+                                   **operands))
     for name, kernel, cfg, _ in our_configs(big_m, k, n, args.variant):
       label = f"{shape} {name}"
       if isinstance(cfg, Exception):
@@ -156,11 +184,19 @@ def plan_calls(args):
           label, kernel, cfg, [(big_m, k), (k, n)], [P(), P()], P(), 1,
           trace_ranges=trace_ranges(cfg, big_m, n, 132)
           if args.trace_dir else None))
+    try:
+      arms = upstream_arms(big_m, k, n, args.skip_upstream)
+    except Exception as e:  # pylint: disable=broad-except
+      calls.append(bench_plan.Broken(f"{shape} upstream", 1,
+                                     f"{type(e).__name__}: {e}"))
+      continue
+    calls += [bench_plan.FnCall(f"{shape} {name}", fn, config=cfg,
+                                gpu_facts=(hm,), **operands)
+              for name, fn, cfg in arms]
   return calls
 
 
 def bench(shape, args):
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   big_m, k, n = map(int, shape.split("/"))
   dtype = jnp.bfloat16
   dev = jax.devices()[0]
@@ -195,7 +231,7 @@ def bench(shape, args):
       print(f"!! {shape} {name}: rel err {err}", flush=True)
     print(f"{shape:>18} {name:<14} {t:9.1f} us  err {err:.1e}", flush=True)
 
-  run("cublas", jax.jit(jnp.dot))
+  run("cublas", cublas_matmul())
   with jax.set_mesh(mesh):
     shmap = lambda fn: jax.jit(jax.shard_map(
         fn, in_specs=(P(), P()), out_specs=P(), check_vma=False))
@@ -207,11 +243,8 @@ def bench(shape, args):
       ours[name] = (kernel, cfg)
       run(name, shmap(functools.partial(kernel, axis_name="x", config=cfg)),
           dataclasses.asdict(record))
-  for cluster in (() if args.skip_upstream else (None, "m", "n")):
-    cfg = upstream_config(core_ag_config(big_m, k, n), cluster)
-    run(f"upstream_{cluster or 'none'}", jax.jit(
-        lambda x, y, cfg=cfg: hm.matmul(x, y, None, config=cfg)),
-        str(cfg))
+  for name, f, cfg in upstream_arms(big_m, k, n, args.skip_upstream):
+    run(name, f, str(cfg))
   for _ in range(args.rounds - 1):
     for name, f in timed.items():
       with jax.set_mesh(mesh):
@@ -306,7 +339,7 @@ def main():
                       "while sampling its SM clock and power (nvidia-smi)")
   parser.add_argument("--plan", action="store_true",
                       help="no GPU: trace (and where JAX can, lower for "
-                      "CUDA) every call of our kernels this run would time, "
+                      "CUDA) every call this run would time, "
                       "on an emulated CPU device; exit 1 if any fails")
   parser.add_argument("--out", default="gemm_core.json")
   args = parser.parse_args()

@@ -24,9 +24,10 @@ With --trace-dir DIR each of our kernels also runs under
 `kernels.trace_warpgroups` (--trace-warmups calls, then the one whose trace
 is kept): per tile, its k loop, epilogue and waits, in SM cycles
 (tools/warpgroup_trace.py reads and plots the traces).
-With --plan D nothing runs on a GPU: every kernel call the same arguments
-would time (the picked configs, each --config / --rs-config, traced too
-with --trace-dir) is traced on D emulated CPU devices, and lowered for CUDA
+With --plan D nothing runs on a GPU: every call the same arguments would
+time (the bound's GEMMs, NCCL + cuBLAS, the seed's configs, the picked
+configs, each --config / --rs-config, traced too with --trace-dir, and the
+ring it checks; not --windowed) is traced on D emulated CPU devices, and lowered for CUDA
 where JAX can (>= 0.12), so a config that cannot run fails here, not in
 device time (`bench_plan`).
 
@@ -264,6 +265,48 @@ def config_error(row, key, config):
   return True
 
 
+def _shmap(fn, out_spec):
+  """`fn` per device in shard_map over the mesh in context (axis "x")."""
+  return jax.jit(jax.shard_map(fn, out_specs=out_spec, check_vma=False))
+
+
+# The arms besides ours, built here for the run and its --plan alike.
+def bound_matmul():
+  """The bound's GEMM: XLA's dot (cuBLAS) on one device."""
+  return jax.jit(jnp.dot)
+
+
+def local_matmuls():
+  """Every device's local GEMM at once, no communication (bound_all)."""
+  return _shmap(lambda x, y: x @ y, P("x", None))
+
+
+def nccl_all_gather_matmul():
+  """NCCL's all-gather of the rows, then cuBLAS."""
+  return _shmap(lambda x, y: lax.all_gather(x, "x", axis=0, tiled=True) @ y,
+                P(None, "x"))
+
+
+def nccl_matmul_reduce_scatter():
+  """cuBLAS, then NCCL's reduce-scatter of the rows."""
+  return _shmap(lambda x, y: lax.psum_scatter(
+      x @ y, "x", scatter_dimension=0, tiled=True), P("x", None))
+
+
+def ring_all_gather_matmul():
+  """The portable ring (collective_matmul, impl="ring"): checked, not
+  timed."""
+  return _shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
+                                  impl="ring"), P(None, "x"))
+
+
+def seed_matmul(cfg, dtype):
+  """Upstream's collective matmul example at `cfg`."""
+  from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as seed  # pylint: disable=g-import-not-at-top
+  return _shmap(functools.partial(seed.all_gather_lhs_matmul, axis_name="x",
+                                  config=cfg, dtype=dtype), P(None, "x"))
+
+
 def seed_configs():
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   dim = hm.MatmulDimension
@@ -286,7 +329,7 @@ def bench_shape(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  timer.time("bound", jax.jit(jnp.dot), la, lb, mesh=one_device_mesh(),
+  timer.time("bound", bound_matmul(), la, lb, mesh=one_device_mesh(),
              scale=d)
   with jax.set_mesh(mesh):
     a = jax.random.normal(jax.random.key(1), (d * m, k), dtype)
@@ -308,20 +351,15 @@ def bench_shape(m, k, n, dtype_name, args):
 
     # The same local GEMM on every device at once, no communication: the
     # bound under the power and clocks of a run that keeps all GPUs busy.
-    local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
-                                  check_vma=False))
-    timer.time("bound_all", local, a, b, mesh=mesh, scale=d)
-    nccl = shmap(lambda x, y: lax.all_gather(x, "x", axis=0, tiled=True) @ y)
-    out, _, _ = timer.time("nccl", nccl, a, b, mesh=mesh)
+    timer.time("bound_all", local_matmuls(), a, b, mesh=mesh, scale=d)
+    out, _, _ = timer.time("nccl", nccl_all_gather_matmul(), a, b, mesh=mesh)
     check("nccl", out)
 
     if d > 1 and not args.skip_seed:
-      from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as seed
       best = None
       for cfg in seed_configs():
         try:
-          f = shmap(functools.partial(seed.all_gather_lhs_matmul, axis_name="x",
-                                      config=cfg, dtype=dtype))
+          f = seed_matmul(cfg, dtype)
           poison_allocator(d * m * n * 2)
           out, t, names = kernel_time_us(f, a, b, iterations=args.iterations)
         except Exception as e:  # Configs that do not fit are skipped.
@@ -367,9 +405,7 @@ def bench_shape(m, k, n, dtype_name, args):
             cm.all_gather_matmul, axis_name="x", impl="pallas",
             kernel_config=chosen)), (a, b), chosen, m, n, mesh, args)
 
-    ring = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
-                                   impl="ring"))
-    check("ring", ring(a, b))
+    check("ring", ring_all_gather_matmul()(a, b))
     timer.finish()
   if args.windowed and d > 1:
     row["windowed_us"] = windowed_einsum_us(m, k, n, dtype_name)
@@ -380,8 +416,12 @@ def bench_shape(m, k, n, dtype_name, args):
 
 
 def plan_calls(args, d, num_sms=132):
-  """Every call of our kernels the run would time at D devices
-  (`bench_plan.Call`s; H100/H200's `num_sms` for the trace ranges)."""
+  """Every call the run would time at D devices, in its order, as
+  `bench_plan` checks them: the bound's GEMMs, NCCL + cuBLAS, upstream's
+  collective matmul (all-gather, D > 1, unless --skip-seed), our kernels
+  (`Call`s; H100/H200's `num_sms` for the trace ranges and upstream's
+  grid) and the ring the all-gather run checks. Not planned: --windowed,
+  XLA's own dot compiled in a subprocess with its flags."""
   calls = []
   for pattern, texts, parsed, select in (
       ("all_gather", args.shapes, args.config, selection.select_config),
@@ -391,6 +431,31 @@ def plan_calls(args, d, num_sms=132):
       m, k, n, dtype_name = parse_shape(text)
       dtype = DTYPES[dtype_name]
       label = f"{pattern} {m}/{k}/{n}:{dtype_name}"
+      if pattern == "all_gather":
+        ring = dict(shapes=[(d * m, k), (k, d * n)],
+                    in_specs=[P("x", None), P(None, "x")], devices=d,
+                    dtype=dtype)
+        bound = dict(shapes=[(m, k), (k, n)], in_specs=[P(), P()],
+                     devices=1, dtype=dtype)
+        nccl = nccl_all_gather_matmul
+      else:
+        ring = dict(shapes=[(d * m, d * k), (d * k, n)],
+                    in_specs=[P(None, "x"), P("x", None)], devices=d,
+                    dtype=dtype)
+        bound = dict(shapes=[(d * m, k), (k, n)], in_specs=[P(), P()],
+                     devices=1, dtype=dtype)
+        nccl = nccl_matmul_reduce_scatter
+      calls += [bench_plan.FnCall(f"{label} bound", bound_matmul(), **bound),
+                bench_plan.FnCall(f"{label} bound_all", local_matmuls(),
+                                  **ring),
+                bench_plan.FnCall(f"{label} nccl", nccl(), **ring)]
+      if pattern == "all_gather" and d > 1 and not args.skip_seed:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as seed  # pylint: disable=g-import-not-at-top
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+        calls += [bench_plan.FnCall(
+            f"{label} seed #{i}", seed_matmul(cfg, dtype), config=cfg,
+            gpu_facts=(seed, hm), num_sms=num_sms, **ring)
+                  for i, cfg in enumerate(seed_configs())]
       for key, cfg, loopback in our_configs(parsed,
                                             select(m, k, n, dtype, d)):
         if isinstance(cfg, Exception):
@@ -403,6 +468,9 @@ def plan_calls(args, d, num_sms=132):
             kwargs={"_diagnostic_loopback": True} if loopback else {},
             trace_ranges=trace_ranges(cfg, m, n, d, num_sms)
             if args.trace_dir and not loopback else None))
+      if pattern == "all_gather":
+        calls.append(bench_plan.FnCall(f"{label} ring",
+                                       ring_all_gather_matmul(), **ring))
   return calls
 
 
@@ -423,7 +491,7 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
                       jax.devices()[0])
   lb = jax.device_put(jax.random.normal(jax.random.key(4), (k, n), dtype),
                       jax.devices()[0])
-  timer.time("bound", jax.jit(jnp.dot), la, lb, mesh=one_device_mesh())
+  timer.time("bound", bound_matmul(), la, lb, mesh=one_device_mesh())
   mesh = jax.make_mesh((d,), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with jax.set_mesh(mesh):
@@ -437,12 +505,9 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
       return jax.jit(jax.shard_map(fn, out_specs=P("x", None),
                                    check_vma=False))
 
-    local = jax.jit(jax.shard_map(lambda x, y: x @ y, out_specs=P("x", None),
-                                  check_vma=False))
-    timer.time("bound_all", local, a, b, mesh=mesh)
-    nccl = shmap(lambda x, y: lax.psum_scatter(
-        x @ y, "x", scatter_dimension=0, tiled=True))
-    out, _, row["nccl_kernels"] = timer.time("nccl", nccl, a, b, mesh=mesh)
+    timer.time("bound_all", local_matmuls(), a, b, mesh=mesh)
+    out, _, row["nccl_kernels"] = timer.time(
+        "nccl", nccl_matmul_reduce_scatter(), a, b, mesh=mesh)
     row["nccl_rel_err"] = rel_error(out, ref)
     for key, chosen, loopback in our_configs(
         args.rs_config, selection.select_reduce_scatter_config(

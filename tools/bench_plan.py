@@ -1,22 +1,28 @@
 """A planned GPU run checked without a GPU (`--plan` of bench_kernels.py,
-bench_gemm_core.py and autotune.py).
+bench_gemm_core.py and scripts/autotune.py).
 
-Runs 35, 37 and 53 (benchmarks/kernel_lead/) each spent device time on
-configs that could not run: shared memory over the limit, once only with
-the trace's ranges added. The kernels raise those errors while tracing, so
-a CPU finds them. `check_plan` takes every kernel call a run would time
-(`Call`), traces each on D emulated CPU devices and, where JAX lowers
-Mosaic GPU kernels off GPU (>= 0.12: layout inference, barriers, TMA),
-lowers it for CUDA too; with trace ranges it also traces the call under
-`kernels.trace_warpgroups`, as `--trace-dir` runs it. It prints one line
-per call and returns how many failed. Nothing is timed and no numerics are
-checked: that needs the GPU.
+Runs on the GPU have spent device time on configs that could not run
+(shared memory over the limit, once only with the trace's ranges added)
+and on an arm that crashed (bench_gemm_core's upstream arm after a config
+helper changed its return value). The kernels raise those errors while
+tracing, so a CPU finds them. `check_plan` takes every call a run would
+time: our kernels (`Call`) and every other arm, cuBLAS, NCCL + cuBLAS, the
+portable ring, upstream's Pallas kernels (`FnCall`, built by the same
+function the run times). It traces each on D emulated CPU devices and,
+where JAX lowers Mosaic GPU kernels off GPU (>= 0.12: layout inference,
+barriers, TMA), lowers it for CUDA too; with trace ranges it also traces
+the call under `kernels.trace_warpgroups`, as `--trace-dir` runs it. It
+prints one line per call and returns how many failed. Nothing is timed and
+no numerics are checked: that needs the GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
+import types
 from typing import Any, Callable, Sequence
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +89,83 @@ def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
 
 
 @dataclasses.dataclass(frozen=True)
+class FnCall:
+  """Any other arm of a planned run: `fn(a, b)` as the run times it (the
+  script's own builder; jitted or not), jitted under a mesh of D CPU
+  devices, operands of `shapes` (global) sharded by `in_specs`. `config`
+  is only printed. `gpu_facts`: modules that read the device's facts
+  while tracing (upstream's kernels read the SM count and the device
+  count from `jax.devices()`); while the call is checked they see those of
+  a host of D GPUs of `num_sms` SMs (`gpu_facts`)."""
+  label: str
+  fn: Callable[..., Any]
+  shapes: Sequence[tuple[int, int]]
+  in_specs: Sequence[P]
+  devices: int
+  dtype: Any = jnp.bfloat16
+  config: Any = None
+  gpu_facts: Sequence[types.ModuleType] = ()
+  num_sms: int = 132
+
+
+class _GpuDevice:
+  """A CPU device that reports `core_count` SMs, as a GPU does."""
+
+  def __init__(self, device, num_sms):
+    self._device, self.core_count = device, num_sms
+
+  def __getattr__(self, name):
+    return getattr(self._device, name)
+
+
+class _GpuJax(types.ModuleType):
+  """`jax` as a module that asks for the devices sees it on a host of the
+  mesh's D GPUs: `devices()` of `num_sms` SMs, `device_count()` D, one
+  process. Everything else is jax's own."""
+
+  def __init__(self, devices, num_sms):
+    super().__init__("jax")
+    self._devices = [_GpuDevice(d, num_sms) for d in devices]
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def devices(self, backend=None):
+    del backend
+    return list(self._devices)
+
+  def local_devices(self, process_index=None, backend=None):
+    del process_index, backend
+    return list(self._devices)
+
+  def device_count(self, backend=None):
+    del backend
+    return len(self._devices)
+
+  local_device_count = device_count
+
+  def process_count(self, backend=None):
+    del backend
+    return 1
+
+
+@contextlib.contextmanager
+def gpu_facts(modules, mesh, num_sms: int):
+  """While active, each module's `jax` (and upstream's `get_num_sms`,
+  where the module has one) answers as on a host of the mesh's devices as
+  GPUs of `num_sms` SMs, so upstream's kernels trace on CPU as they would
+  on that host. Only those modules' globals change."""
+  with contextlib.ExitStack() as stack:
+    fake = _GpuJax(list(mesh.devices.flat), num_sms)
+    for module in modules:
+      stack.enter_context(mock.patch.object(module, "jax", fake))
+      if hasattr(module, "get_num_sms"):
+        stack.enter_context(mock.patch.object(module, "get_num_sms",
+                                              lambda: num_sms))
+    yield
+
+
+@dataclasses.dataclass(frozen=True)
 class Broken:
   """A call the plan could not even build (e.g. a patched config with a
   field out of range): reported as failed."""
@@ -92,8 +175,14 @@ class Broken:
 
 
 def config_delta(config) -> str:
-  """The config's fields that differ from its class's defaults."""
-  default = type(config)()
+  """The config's fields that differ from its class's defaults (a config
+  that is no dataclass, or has required fields: as it prints)."""
+  if config is None:
+    return ""
+  try:
+    default = type(config)()
+  except TypeError:
+    return str(config)
   return " ".join(f"{f.name}={getattr(config, f.name)}"
                   for f in dataclasses.fields(config)
                   if getattr(config, f.name) != getattr(default, f.name))
@@ -122,11 +211,28 @@ def _traced(call: Call, mesh):
                                  check_vma=False)).trace(*args)
 
 
-def check_call(call: Call | Broken) -> str:
+def _check_fn_call(call: FnCall) -> str:
+  mesh = cpu_mesh(call.devices)
+  args = [jax.ShapeDtypeStruct(s, call.dtype,
+                               sharding=NamedSharding(mesh, spec))
+          for s, spec in zip(call.shapes, call.in_specs)]
+  try:
+    with jax.set_mesh(mesh), gpu_facts(call.gpu_facts, mesh, call.num_sms):
+      traced = jax.jit(call.fn).trace(*args)
+      if LOWERS_OFF_GPU:
+        traced.lower(lowering_platforms=("cuda",))
+  except Exception as e:  # pylint: disable=broad-except
+    return f"FAILED {type(e).__name__}: {str(e)[:400]}"
+  return "lowered" if LOWERS_OFF_GPU else "traced"
+
+
+def check_call(call: Call | FnCall | Broken) -> str:
   """'lowered' / 'traced' (what it got to), or 'FAILED ...' with the error
   (its stage named where only the traced call fails)."""
   if isinstance(call, Broken):
     return f"FAILED {call.error}"
+  if isinstance(call, FnCall):
+    return _check_fn_call(call)
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   mesh = cpu_mesh(call.devices)
 
@@ -151,7 +257,8 @@ def check_call(call: Call | Broken) -> str:
   return "lowered" if LOWERS_OFF_GPU else "traced"
 
 
-def check_plan(calls: Sequence[Call | Broken], print_fn=print) -> int:
+def check_plan(calls: Sequence[Call | FnCall | Broken],
+               print_fn=print) -> int:
   """Checks every call; prints a line each (with the config's fields that
   differ from the defaults) and a summary; returns the number that
   failed."""
@@ -159,7 +266,7 @@ def check_plan(calls: Sequence[Call | Broken], print_fn=print) -> int:
   how = ("traced and lowered for CUDA" if LOWERS_OFF_GPU else
          f"traced (JAX {jax.__version__} cannot lower Mosaic GPU off GPU; "
          ">= 0.12 can)")
-  print_fn(f"plan: {len(calls)} kernel calls, each {how}"
+  print_fn(f"plan: {len(calls)} calls, each {how}"
            + (", and traced under trace_warpgroups"
               if any(getattr(c, "trace_ranges", None) is not None
                      for c in calls) else ""))
@@ -169,5 +276,7 @@ def check_plan(calls: Sequence[Call | Broken], print_fn=print) -> int:
     print_fn(f"  {call.label:<40} D={call.devices} {status}")
     if isinstance(call, Call):
       print_fn(f"      {config_delta(call.config) or '(defaults)'}")
+    elif isinstance(call, FnCall) and call.config is not None:
+      print_fn(f"      {config_delta(call.config)}")
   print_fn(f"plan: {len(calls) - failed} ok, {failed} failed")
   return failed

@@ -1,6 +1,7 @@
-"""`--plan`: a benchmark run's kernel calls checked on CPU before device
-time is spent (tools/bench_plan.py; runs 35, 37 and 53 lost variants to
-shared memory that a CPU could have counted)."""
+"""`--plan`: every call a GPU run would time checked on CPU before device
+time is spent (tools/bench_plan.py): GPU runs lost variants to shared
+memory that a CPU could have counted, and bench_gemm_core's upstream arm
+crashed on the GPU where --plan had traced only our kernels."""
 import argparse
 import json
 import os
@@ -83,8 +84,10 @@ def test_bench_kernels_plans_what_it_would_time():
            "wg_dimension": "m", "loopback": True}))],
       rs_config=[bench.parse_config(kernels.ReduceScatterConfig,
                                     '{"selected": true, "tile_k": 7}')],
-      trace_dir="/tmp/traces")
-  calls = bench.plan_calls(args, 2)
+      trace_dir="/tmp/traces", skip_seed=False)
+  plan = _plan()
+  everything = bench.plan_calls(args, 2)
+  calls = [c for c in everything if not isinstance(c, plan.FnCall)]
   labels = [c.label for c in calls]
   assert labels == ["all_gather 1024/4096/4096:bf16 ours",
                     "all_gather 1024/4096/4096:bf16 ours_cfg1 (loopback)",
@@ -100,6 +103,14 @@ def test_bench_kernels_plans_what_it_would_time():
   assert loopback.config.tile_n == 256 and loopback.trace_ranges is None
   assert loopback.kwargs == {"_diagnostic_loopback": True}
   assert "tile_k=7" in broken.error
+  # The other arms get the operands the run gives them.
+  others = {c.label.rsplit(" ", 1)[-1] if "seed" not in c.label else
+            c.label.split(" ", 2)[-1]: c for c in everything[:6]}
+  assert others["bound"].shapes == [(1024, 4096), (4096, 4096)]
+  assert others["nccl"].shapes == ours.shapes == [(2048, 4096), (4096, 8192)]
+  assert others["nccl"].in_specs == ours.in_specs
+  assert [c.dtype for c in everything if ":f16 " in c.label
+          and not isinstance(c, plan.Broken)] == [jnp.float16] * 4
 
 
 def _run(script, *args):
@@ -110,26 +121,86 @@ def _run(script, *args):
                         cwd=REPO_ROOT)
 
 
+def _statuses(run):
+  """{label: status} of a --plan run's lines, in order."""
+  out = {}
+  for line in run.stdout.splitlines():
+    label, sep, rest = line.strip().rpartition(" D=")
+    if sep and line.startswith("  ") and not line.startswith("      "):
+      out[label.strip()] = rest.split(" ", 1)[1]
+  return out
+
+
 def test_bench_kernels_plan_fails_on_a_config_that_cannot_run():
   """The 64 x 256 tiles patched into the picked config do not fit at
   512/4096/4096, whose pick has 128-wide k blocks."""
-  run = _run("bench_kernels.py", "--plan", "2", "--shapes",
+  run = _run("bench_kernels.py", "--plan", "2", "--skip-seed", "--shapes",
              "1024/4096/4096", "512/4096/4096", "--rs-shapes", "--config",
              '{"selected": true, "tile_m": 64, "tile_n": 256, '
              '"wg_dimension": "m"}')
   assert run.returncode == 1, run.stderr[-2000:]
-  lines = [x for x in run.stdout.splitlines() if " D=2 " in x]
-  assert len(lines) == 4
-  assert "FAILED" not in "".join(lines[:3]), run.stdout
-  assert "512/4096/4096:bf16 ours_cfg1" in lines[3]
-  assert "needs 328704 bytes of shared memory" in lines[3]
-  assert run.stdout.splitlines()[-1] == "plan: 3 ok, 1 failed"
+  ours = {label: status for label, status in _statuses(run).items()
+          if " ours" in label}
+  assert len(ours) == 4, run.stdout
+  failed = [label for label, status in ours.items()
+            if status.startswith("FAILED")]
+  assert failed == ["all_gather 512/4096/4096:bf16 ours_cfg1"], run.stdout
+  assert "needs 328704 bytes of shared memory" in ours[failed[0]]
+  assert run.stdout.splitlines()[-1].endswith(" ok, 1 failed")
 
 
-def test_bench_gemm_core_plan_passes_the_picked_configs():
-  run = _run("bench_gemm_core.py", "--plan", "--shapes", "8192/4096/4096")
+def test_bench_kernels_plans_every_arm():
+  """Besides our kernels: the bound's cuBLAS GEMM on one device and on
+  all, NCCL + cuBLAS, upstream's collective matmul (both configs of its
+  sweep) and the portable ring the run checks."""
+  run = _run("bench_kernels.py", "--plan", "2", "--shapes", "512/1024/512",
+             "--rs-shapes", "512/1024/512")
+  statuses = _statuses(run)
+  ag, rs = "all_gather 512/1024/512:bf16", "reduce_scatter 512/1024/512:bf16"
+  assert list(statuses) == [
+      f"{ag} bound", f"{ag} bound_all", f"{ag} nccl", f"{ag} seed #0",
+      f"{ag} seed #1", f"{ag} ours", f"{ag} ring", f"{rs} bound",
+      f"{rs} bound_all", f"{rs} nccl", f"{rs} ours"], run.stdout
+  assert not [s for s in statuses.values() if s.startswith("FAILED")], (
+      run.stdout)
   assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-  assert run.stdout.splitlines()[-1] == "plan: 2 ok, 0 failed"
+  skipped = _statuses(_run("bench_kernels.py", "--plan", "2", "--skip-seed",
+                           "--shapes", "512/1024/512", "--rs-shapes"))
+  assert len(skipped) == 5 and not [x for x in skipped if "seed" in x]
+
+
+def test_bench_gemm_core_plans_every_arm():
+  """cuBLAS, our two kernels and upstream's Hopper matmul without and with
+  2-block clusters: on the GPU the upstream arm crashed (AttributeError in
+  upstream_config) because --plan traced only our kernels."""
+  shape = "2048/1024/1024"
+  run = _run("bench_gemm_core.py", "--plan", "--shapes", shape)
+  statuses = _statuses(run)
+  assert list(statuses) == [
+      f"{shape} {arm}" for arm in ("cublas", "ours_ag", "ours_rs",
+                                   "upstream_none", "upstream_m",
+                                   "upstream_n")], run.stdout
+  assert not [s for s in statuses.values() if s.startswith("FAILED")], (
+      run.stdout)
+  assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+  assert run.stdout.splitlines()[-1] == "plan: 6 ok, 0 failed"
+  skipped = _statuses(_run("bench_gemm_core.py", "--plan", "--skip-upstream",
+                           "--shapes", shape))
+  assert list(skipped) == [f"{shape} {arm}" for arm in ("cublas", "ours_ag",
+                                                        "ours_rs")]
+
+
+def test_upstream_sees_a_gpu_host_only_while_checked():
+  """The plan's device facts (D GPUs of 132 SMs) reach upstream's kernel
+  modules while a call is checked, and leave them afterwards."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+  plan = _plan()
+  real_get_num_sms = hm.get_num_sms
+  with plan.gpu_facts([hm], plan.cpu_mesh(2), 132):
+    seen = (hm.jax.device_count(), hm.jax.devices()[0].core_count,
+            hm.jax.process_count(), hm.get_num_sms())
+  assert seen == (2, 132, 1, 132)
+  assert hm.jax is jax and hm.get_num_sms is real_get_num_sms
 
 
 @pytest.mark.parametrize("args,message", [
@@ -157,17 +228,24 @@ def test_ring_call_gives_each_kernel_its_operands():
 
 @pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
 def test_autotune_plans_every_candidate_of_the_sweep(pattern):
+  """Every candidate, and the portable ring the sweep checks them
+  against."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
   autotune = import_script("autotune")
+  plan = _plan()
   args = argparse.Namespace(shapes=["512/1024/512"], pattern=pattern,
                             dtype="f16")
   calls = autotune.plan_calls(args, 4)
   expected = list(autotuning.candidate_configs(pattern, 512, 1024, 512,
                                                jnp.float16, 4))
-  assert [c.config for c in calls] == expected and len(expected) > 5
+  ours = [c for c in calls if isinstance(c, plan.Call)]
+  assert [c.config for c in ours] == expected and len(expected) > 5
   assert {(c.devices, c.dtype) for c in calls} == {(4, jnp.float16)}
-  assert calls[0].label == f"{pattern} 512/1024/512 #0"
+  assert ours[0].label == f"{pattern} 512/1024/512 #0"
+  ring = [c for c in calls if isinstance(c, plan.FnCall)]
+  assert [c.label for c in ring] == [f"{pattern} 512/1024/512 ring"]
+  assert plan.check_call(ring[0]) in ("traced", "lowered")
 
 
 def test_autotune_rejects_a_malformed_shape():
