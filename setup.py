@@ -10,9 +10,10 @@ setup(
     python_requires=">=3.11",
     package_dir={"": "plugin", "reference_host": "host/reference_host"},
     packages=["collective_matmul", "collective_matmul.kernels",
+              "collective_matmul.selection",
               "collective_matmul.integrations",
               "collective_matmul.integrations.maxtext", "reference_host"],
-    # The packaged table of measured kernel configs (selection.py).
+    # The packaged table of measured kernel configs (selection/tuned.py).
     package_data={"collective_matmul": ["tuned_configs.json"]},
     install_requires=[
         # 0.10.2: jax.shard_map, jax.set_mesh, Explicit axes, reshard, and

@@ -3,8 +3,7 @@
 Times every candidate configuration on random inputs of the given local
 shape (CUPTI kernel time, minimum over devices per kernel, summed), checks
 each result against the `ring` implementation, and stores the fastest in the
-cache that `selection.select_config` (or `select_reduce_scatter_config`)
-reads first (keyed by device kind, dtype,
+cache that `selection.config_for` reads first (keyed by device kind, dtype,
 D and local shape). Needs the GPUs of the ring; run it once per shape.
 Tunes either kernel (`pattern`); the two kernels' cache entries are keyed
 apart, so a tuned all-gather config never changes the reduce-scatter
@@ -54,7 +53,7 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   """The configurations autotuning tries for `pattern`.
 
   All-gather: with the local shape given, the heuristic's own choice
-  (`selection.default_config`) first; then every tile candidate x send gap
+  (`selection.heuristic_config`) first; then every tile candidate x send gap
   x grid width, and every tile candidate x grid width with
   `selection.SENDER_SMS` dedicated sender blocks, by rows and k-major (send
   gaps do not apply to those), k-major also with the wide k step
@@ -92,7 +91,9 @@ def _all_gather_candidates(m, k, n, dtype, axis_size):
   always times the default, e.g. its sender count on idle SMs, which the
   grid lacks), then the grid."""
   if None not in (m, k, n):
-    yield selection.default_config(m, k, n, dtype, axis_size)
+    yield selection.heuristic_config(
+        Collective.ALL_GATHER,
+        selection.Problem(m, k, n, dtype, axis_size), selection.device_facts())
   for base in selection.tile_candidates():
     for gap in (8, 12, 16):
       for width in (4, 8):
@@ -245,7 +246,8 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
   if best is None:
     raise RuntimeError(f"autotune: no candidate ran for {m}x{k}x{n}")
   if store:
-    path = selection.store_cached_config(best[1], m, k, n, dtype, d,
-                                         pattern=pattern)
+    path = selection.store_cached_config(
+        best[1], m, k, n, dtype, d, selection.device_facts().device_kind,
+        pattern=pattern)
     logging.info("autotune: stored %s in %s", best[1], path)
   return best[1], results

@@ -16,16 +16,12 @@ exactly as `logical_dot_general` would run it (nothing is concatenated).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from collective_matmul import config as config_lib
-from collective_matmul import ops
 from collective_matmul import override
 from collective_matmul import patterns
 
@@ -82,7 +78,7 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
   def alone(member, why=""):
     # Its own name scope, as a Dense layer of that name would give it.
     with jax.named_scope(_short_name(member.name)):
-      return override._dot_general(  # pylint: disable=protected-access
+      return override.collective_dot_general(
           lhs, member.kernel, dimension_numbers, precision,
           preferred_element_type, lhs_axes=lhs_axes,
           rhs_axes=member.kernel_axes, name=member.name, config=cfg,
@@ -93,16 +89,24 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
   if not cfg.group_siblings:
     why = "grouping is switched off (--collective_matmul_group_siblings)"
     return [alone(m, why) for m in members]
-  plans = [override._plan(  # pylint: disable=protected-access
+  calls = [override.plan_call(
       lhs, m.kernel, dimension_numbers, precision, preferred_element_type,
-      None, lhs_axes=lhs_axes, rhs_axes=m.kernel_axes, out_axes=None,
-      name=m.name, cfg=cfg) for m in members]
+      lhs_axes=lhs_axes, rhs_axes=m.kernel_axes, name=m.name, cfg=cfg,
+      choose=False) for m in members]
   names = [m.name or f"member {i}" for i, m in enumerate(members)]
-  why = _not_groupable_reason(plans, names)
+  why = _not_groupable_reason(calls, names)
   if why is not None:
     return [alone(m, why) for m in members]
-  return _run_group(plans, dimension_numbers, cfg, precision,
-                    preferred_element_type, tuple(m.name for m in members))
+  plan = _group_plan(calls, dimension_numbers, cfg, preferred_element_type)
+  group = tuple(m.name for m in members)
+  calls = [call.with_plan(plan, group=group) for call in calls]
+  for call in calls:
+    override.record(call.decision, cfg.strict, call.fallback)
+  # One scope names the group's ops ("query+key+value"), so a profile can
+  # attribute the shared kernel to its members.
+  with jax.named_scope("+".join(_short_name(name) for name in group)):
+    return override.rewrite(calls, plan, dimension_numbers, cfg, precision,
+                            preferred_element_type)
 
 
 def _short_name(name: str | None) -> str:
@@ -110,10 +114,10 @@ def _short_name(name: str | None) -> str:
   return (name or "member").rsplit("/", 1)[-1]
 
 
-def _not_groupable_reason(plans, names) -> str | None:
+def _not_groupable_reason(calls, names) -> str | None:
   """Why these members cannot share one all-gather matmul, or None."""
-  first = plans[0]
-  for plan, name in zip(plans, names):
+  first = calls[0]
+  for plan, name in zip(calls, names):
     if plan.match is None:
       return f"{name} is not rewritten ({plan.decision.reason})"
     if not isinstance(plan.match, patterns.AllGatherMatch):
@@ -128,16 +132,16 @@ def _not_groupable_reason(plans, names) -> str | None:
   return None
 
 
-def _group_choice(plans, dimension_numbers, cfg, preferred_element_type):
-  """The implementation for the group: chosen for the one matmul it runs,
-  the activation times the concatenated kernel `[k..., n_1 + ... + n_N]`
+def _group_plan(calls, dimension_numbers, cfg, preferred_element_type):
+  """The kernel plan for the group: chosen for the one matmul it runs, the
+  activation times the concatenated kernel `[k..., n_1 + ... + n_N]`
   sharded on its columns."""
-  first = plans[0]
+  first = calls[0]
   (lhs_contract, rhs_contract), _ = dimension_numbers
   mesh_axis_sizes = dict(zip(first.mesh.axis_names, first.mesh.axis_sizes))
   columns = sum(
-      math.prod(size for d, size in enumerate(plan.rhs.shape)
-                if d not in rhs_contract) for plan in plans)
+      math.prod(size for d, size in enumerate(call.rhs.shape)
+                if d not in rhs_contract) for call in calls)
   k_dims = tuple(first.rhs.shape[d] for d in rhs_contract)
   rhs = jax.ShapeDtypeStruct(k_dims + (columns,), first.rhs.dtype)
   numbers = ((tuple(lhs_contract), tuple(range(len(k_dims)))), ((), ()))
@@ -146,51 +150,5 @@ def _group_choice(plans, dimension_numbers, cfg, preferred_element_type):
       first.lhs.shape, rhs.shape, numbers, first.match.lhs_spec, rhs_spec,
       mesh_axis_sizes)
   assert isinstance(match, patterns.AllGatherMatch), match
-  return override._choose_impl(  # pylint: disable=protected-access
-      cfg, match, first.lhs, rhs, numbers, first.mesh,
-      preferred_element_type)
-
-
-def _run_group(plans, dimension_numbers, cfg, precision,
-               preferred_element_type, names):
-  """One all-gather matmul for every plan, in one `shard_map`."""
-  impl, bwd_impl, reason, is_fallback = _group_choice(
-      plans, dimension_numbers, cfg, preferred_element_type)
-  for plan in plans:
-    override._record(  # pylint: disable=protected-access
-        dataclasses.replace(plan.decision, impl=impl, backward_impl=bwd_impl,
-                            reason=reason, group=names),
-        cfg.strict, is_fallback)
-  (lhs_contract, rhs_contract), _ = dimension_numbers
-  first = plans[0]
-  lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
-  gather_axis = lhs_free.index(first.match.lhs_gather_dim)
-
-  def body(lhs_block, *rhs_blocks):
-    x = override._canonical_lhs(  # pylint: disable=protected-access
-        lhs_block, lhs_contract)
-    ws, free_shapes = zip(*(
-        override._canonical_rhs(block, rhs_contract)  # pylint: disable=protected-access
-        for block in rhs_blocks))
-    y = ops.all_gather_matmul(
-        x, jnp.concatenate(ws, axis=1), first.match.axis,
-        gather_axis=gather_axis, impl=impl, bidirectional=cfg.bidirectional,
-        precision=precision, preferred_element_type=preferred_element_type,
-        save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
-    splits = np.cumsum([w.shape[1] for w in ws])[:-1]
-    return tuple(part.reshape(part.shape[:-1] + free_shape)
-                 for part, free_shape in zip(
-                     jnp.split(y, splits, axis=-1), free_shapes))
-
-  to_p = patterns.spec_to_partition_spec
-  # One scope names the group's ops ("query+key+value"), so a profile can
-  # attribute the shared kernel to its members.
-  scope = "+".join(_short_name(name) for name in names)
-  with jax.named_scope(scope):
-    outs = jax.shard_map(
-        body, mesh=first.mesh,
-        in_specs=(to_p(first.match.lhs_spec),
-                  *(to_p(plan.match.rhs_spec) for plan in plans)),
-        out_specs=tuple(to_p(plan.match.out_spec) for plan in plans),
-        check_vma=False)(first.lhs, *(plan.rhs for plan in plans))
-  return list(outs)
+  return override.choose_plan(cfg, match, first.lhs, rhs, numbers,
+                              first.mesh, preferred_element_type)

@@ -1,9 +1,12 @@
 """Differentiable collective matmuls, one entry point per collective.
 
-Call these inside `shard_map` (over at least `axis_name`). The implementation
-is chosen by the `impl` argument, never from global state: `pallas` (the
-Hopper kernel), `ring` (portable `ppermute` ring) or `baseline` (the XLA
-collective, then one dot).
+Call these inside `shard_map` (over at least `axis_name`). What runs is a
+`selection.KernelPlan`, carried as the ops' one static argument: the drop-in
+`dot_general` passes the plan it chose and recorded; a direct call without
+one gets it from `selection.choose`, once, at the public op, from its
+`impl` argument (`pallas`: the Hopper kernel, `ring`: the portable
+`ppermute` ring, `baseline`: the XLA collective, then one dot). Below the
+public ops nothing decides again: the kernels receive the plan's configs.
 
 The two collectives are each other's transpose, so each one's backward runs
 the other with the same `impl`: for y = all_gather(x) @ w,
@@ -33,10 +36,9 @@ from collective_matmul.enums import Impl
 OP_IMPLS = (Impl.PALLAS, Impl.RING, Impl.BASELINE)
 
 
-def _check_operands(x, w, axis, axis_arg, impl):
+def _check_operands(x, w, axis, axis_arg):
   """Validates a collective op's local operands (`axis` is `axis_arg`'s
-  value); returns `impl` as an `Impl`."""
-  impl = Impl.parse(impl, "impl", OP_IMPLS)
+  value)."""
   if x.ndim < 2 or w.ndim != 2:
     raise ValueError(f"expected x[..., k] with ndim >= 2 and w[k, n], got "
                      f"x{x.shape} and w{w.shape}")
@@ -46,28 +48,56 @@ def _check_operands(x, w, axis, axis_arg, impl):
   if not 0 <= axis < x.ndim - 1:
     raise ValueError(f"{axis_arg}={axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
-  if impl == Impl.PALLAS:
-    reason = _pallas_unavailable_reason(x, w)
-    if reason is not None:
-      raise ValueError(
-          "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
-          f"bf16 or f16 operands with XLA's command buffers off; here: "
-          f"{reason}. Use impl='ring' (any backend) or 'baseline'.")
-  return impl
 
 
-def _pallas_unavailable_reason(x, w) -> str | None:
-  """Why this machine, its XLA settings and these operands cannot run the
-  Hopper kernels (the same rules the drop-in dot_general falls back on)."""
-  platform = jax.default_backend()
-  return selection.unsupported_reason(
-      platform=platform, device_kind=jax.devices()[0].device_kind,
-      dtype=x.dtype, m=max(1, x.size // max(1, x.shape[-1])),
-      k=max(1, x.shape[-1]), n=max(1, w.shape[-1]),
-      axis_size=1) or selection.command_buffer_reason(platform)
+def _plan(collective: Collective, x, w, axis_name, axis, impl, kernel_config,
+          backward_impl, preferred_element_type, plan):
+  """The plan a public op runs: the caller's `plan`, else `selection.choose`
+  for these operands from `impl` (and `kernel_config`, `backward_impl`)."""
+  if plan is not None:
+    if not isinstance(plan, selection.KernelPlan):
+      raise TypeError(f"plan must be a selection.KernelPlan, got {plan!r}")
+    if (impl, kernel_config, backward_impl) != (None, None, None):
+      raise TypeError("give either plan or impl/kernel_config/"
+                      "backward_impl, not both")
+    return plan
+  impl = Impl.parse(Impl.RING if impl is None else impl, "impl", OP_IMPLS)
+  backward_impl = (None if backward_impl is None else
+                   Impl.parse(backward_impl, "backward_impl", OP_IMPLS))
+  axis_size = lax.axis_size(axis_name)
+  rows = math.prod(x.shape[:-1])
+  if collective == Collective.REDUCE_SCATTER:
+    rows //= axis_size  # The kernels see the rows after the scatter.
+  problem = selection.Problem(
+      max(1, rows), max(1, x.shape[-1]), max(1, w.shape[-1]),
+      jnp.dtype(x.dtype), axis_size,
+      None if preferred_element_type is None
+      else jnp.dtype(preferred_element_type))
+  device = selection.device_facts()
+  chosen = selection.choose(impl, collective, problem, device,
+                            config=kernel_config)
+  if chosen.is_fallback:
+    raise ValueError(
+        "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
+        "bf16 or f16 operands with XLA's command buffers off; here: "
+        f"{chosen.reason.removeprefix('pallas unavailable: ')}. Use "
+        "impl='ring' (any backend) or 'baseline'.")
+  if backward_impl is None or backward_impl == chosen.backward_impl:
+    return chosen
+  if backward_impl != Impl.PALLAS:
+    return dataclasses.replace(chosen, backward_impl=backward_impl,
+                               backward_config=None, backward_source="")
+  back = selection.choose(Impl.PALLAS, collective.transpose,
+                          problem.backward(), device)
+  if back.is_fallback:
+    raise ValueError(f"backward_impl='pallas' cannot run here: "
+                     f"{back.reason}")
+  return dataclasses.replace(chosen, backward_impl=Impl.PALLAS,
+                             backward_config=back.config,
+                             backward_source=back.source)
 
 
-def _rows_layout(x, axis, config_for):
+def _rows_layout(x, axis, config):
   """How the 2-D kernels see `x[..., k]` split on dimension `axis`.
 
   Returns (x2d, rows_per_batch, moved): with `moved` False, x2d is a free
@@ -78,7 +108,6 @@ def _rows_layout(x, axis, config_for):
   """
   rows = math.prod(x.shape[:-1])
   per_batch = math.prod(x.shape[axis:-1])
-  config = config_for(rows)
   if axis == 0 or selection.supports_rows_per_batch(config, rows, per_batch):
     return x.reshape(rows, x.shape[-1]), per_batch, False
   moved = jnp.moveaxis(x, axis, 0)
@@ -86,16 +115,13 @@ def _rows_layout(x, axis, config_for):
 
 
 def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                              preferred_element_type, kernel_config,
+                              preferred_element_type, config,
                               return_gathered=False):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
-  config_for = lambda rows: kernel_config or selection.select_config(
-      rows, x.shape[-1], w.shape[1], x.dtype, axis_size,
-      out_dtype=preferred_element_type)
-  x2d, per_batch, moved = _rows_layout(x, gather_axis, config_for)
+  x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
   result = kernels.all_gather_lhs_matmul(
-      x2d, w, axis_name, config=config_for(x2d.shape[0]),
+      x2d, w, axis_name, config=config,
       out_dtype=preferred_element_type, rows_per_batch=per_batch,
       return_gathered=return_gathered)
   out2d, held = result if return_gathered else (result, None)
@@ -121,17 +147,12 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
 
 
 def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                  preferred_element_type, kernel_config):
+                                  preferred_element_type, config):
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
-  config_for = lambda rows: kernel_config or (
-      selection.select_reduce_scatter_config(
-          rows // axis_size, x.shape[-1], w.shape[1], x.dtype, axis_size,
-          out_dtype=preferred_element_type))
   # Runs of rows are addressed per row block, so they must fit one block.
   per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
   rows = math.prod(x.shape[:-1])
-  config = config_for(rows)
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
   if scatter_axis == 0 or selection.supports_rows_per_batch(
@@ -149,13 +170,6 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
   return jnp.moveaxis(out, 0, scatter_axis)
 
 
-def _check_backward_impl(backward_impl):
-  """`backward_impl` as an `Impl`, or None."""
-  if backward_impl is None:
-    return None
-  return Impl.parse(backward_impl, "backward_impl", OP_IMPLS)
-
-
 def _contract_leading(a, b, precision):
   """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
   wider: `[p, q]`."""
@@ -167,10 +181,11 @@ def _contract_leading(a, b, precision):
       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
 
 
-def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
-                            precision, preferred_element_type, kernel_config,
+def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, config,
+                            bidirectional, precision, preferred_element_type,
                             return_gathered=False):
-  """The product, or `(product, all_gather(x))` with `return_gathered`."""
+  """The product, or `(product, all_gather(x))` with `return_gathered`;
+  `config`: the kernel's, for `pallas`."""
   if impl == Impl.BASELINE:
     return ring.baseline_all_gather_matmul(
         x, w, axis_name, gather_axis=gather_axis, precision=precision,
@@ -184,13 +199,13 @@ def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, bidirectional,
   # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
   # has nothing to select. The kernel hands back the shards it received.
   return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                                   preferred_element_type, kernel_config,
+                                   preferred_element_type, config,
                                    return_gathered)
 
 
-def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
+def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl, config,
                                 bidirectional, precision,
-                                preferred_element_type, kernel_config):
+                                preferred_element_type):
   if impl == Impl.BASELINE:
     return ring.baseline_matmul_reduce_scatter(
         x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
@@ -201,7 +216,7 @@ def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl,
         bidirectional=bidirectional, precision=precision,
         preferred_element_type=preferred_element_type)
   return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                       preferred_element_type, kernel_config)
+                                       preferred_element_type, config)
 
 
 def _times_weight_transposed(dy, w):
@@ -217,28 +232,29 @@ class _Static:
   (hashable) argument of the custom_vjp functions.
 
   `axis` is the gathered (all-gather) or scattered (reduce-scatter)
-  dimension of `x`; the other fields are the public ops' arguments.
+  dimension of `x`; `plan` what runs forward and backward; the other fields
+  are the public ops' arguments.
   """
 
   axis_name: Any
   axis: int
-  impl: Impl
+  plan: selection.KernelPlan
   bidirectional: bool
   precision: Any
   preferred_element_type: Any
-  kernel_config: Any
   save_gathered: bool
-  backward_impl: Impl | None
 
   def forward_args(self):
     """The `_*_impl` functions' arguments after the operands."""
-    return (self.axis_name, self.axis, self.impl, self.bidirectional,
-            self.precision, self.preferred_element_type, self.kernel_config)
+    return (self.axis_name, self.axis, self.plan.impl, self.plan.config,
+            self.bidirectional, self.precision, self.preferred_element_type)
 
-  def backward(self, collective: Collective, dtype) -> Impl:
-    """The backward's implementation of `collective` on `dtype`."""
-    return selection.backward_impl(self.backward_impl or self.impl,
-                                   collective, dtype)
+  def backward_args(self, out_dtype):
+    """The backward's `_*_impl` arguments after the operands: the plan's
+    backward, writing `out_dtype`."""
+    return (self.axis_name, self.axis, self.plan.backward_impl,
+            self.plan.backward_config, self.bidirectional, self.precision,
+            out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -256,17 +272,14 @@ def _all_gather_matmul_fwd(x, w, static: _Static):
 
 def _all_gather_matmul_bwd(static: _Static, residuals, dy):
   # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T), the other
-  # collective matmul, and dw = all_gather(x).T @ dy, from the gathered
-  # activation the forward saved or after gathering it again. The kernel
-  # config was tuned for the forward's shape: the backward picks its own.
+  # collective matmul, as the plan's backward says, and
+  # dw = all_gather(x).T @ dy, from the gathered activation the forward
+  # saved or after gathering it again.
   x_or_gathered, w = residuals
   x_dtype = x_or_gathered.dtype
   dy_b, w_t = _times_weight_transposed(dy, w)
-  dx = _matmul_reduce_scatter_impl(
-      dy_b, w_t, static.axis_name, static.axis,
-      static.backward(Collective.REDUCE_SCATTER, dy_b.dtype),
-      static.bidirectional,
-      static.precision, x_dtype, None)
+  dx = _matmul_reduce_scatter_impl(dy_b, w_t,
+                                   *static.backward_args(x_dtype))
   gathered = x_or_gathered if static.save_gathered else lax.all_gather(
       x_or_gathered, static.axis_name, axis=static.axis, tiled=True)
   dw = _contract_leading(gathered, dy, static.precision).astype(w.dtype)
@@ -292,10 +305,8 @@ def _matmul_reduce_scatter_bwd(static: _Static, residuals, dy):
   x, w = residuals
   dy_b, w_t = _times_weight_transposed(dy, w)
   dx_and_maybe_gathered = _all_gather_matmul_impl(
-      dy_b, w_t, static.axis_name, static.axis,
-      static.backward(Collective.ALL_GATHER, dy_b.dtype),
-      static.bidirectional,
-      static.precision, x.dtype, None, return_gathered=static.save_gathered)
+      dy_b, w_t, *static.backward_args(x.dtype),
+      return_gathered=static.save_gathered)
   if static.save_gathered:
     dx, gathered_dy = dx_and_maybe_gathered
   else:
@@ -309,19 +320,30 @@ def _matmul_reduce_scatter_bwd(static: _Static, residuals, dy):
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
                               _matmul_reduce_scatter_bwd)
 
+_PLAN_ARGS_DOC = """
+    impl: `pallas` (Hopper kernel), `ring` (portable, the default) or
+      `baseline`; with `pallas` the backward takes the kernel where it runs
+      and pays off, else XLA's (`selection.choose`).
+    kernel_config: a kernel config for `pallas`, or None to pick one for
+      the shape (`selection.config_for`).
+    backward_impl: implementation of the backward's collective matmul, or
+      None for `impl`'s choice.
+    plan: a `selection.KernelPlan` (what the drop-in `dot_general` chose),
+      instead of `impl`, `kernel_config` and `backward_impl`."""
+
 
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
-                      impl: Impl | str = Impl.RING,
+                      impl: Impl | str | None = None,
                       bidirectional: bool = True,
                       precision=None, preferred_element_type=None,
                       kernel_config=None, save_gathered: bool = True,
-                      backward_impl: Impl | str | None = None):
+                      backward_impl: Impl | str | None = None,
+                      plan: selection.KernelPlan | None = None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
-  dx = reduce_scatter(dy @ w.T) with `matmul_reduce_scatter` and the same
-  `impl` (`pallas` becomes `ring` where the cotangent is not bf16/f16).
+  dx = reduce_scatter(dy @ w.T) with `matmul_reduce_scatter`.
 
   Args:
     x: local activation shard `[..., k]`; `gather_axis` is the leading
@@ -329,45 +351,39 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     w: local weight columns `[k, n]`.
     axis_name: the mesh axis to gather over.
     gather_axis: which dimension of `x` is gathered.
-    impl: `pallas` (Hopper kernel), `ring` (portable) or `baseline`.
     bidirectional: for `ring` with more than two devices, send both ways.
     precision, preferred_element_type: as in `lax.dot_general`.
-    kernel_config: a `kernels.AllGatherConfig` for `pallas`, or None to
-      pick one for the shape (`selection.select_config`).
     save_gathered: (default, as in `CollectiveMatmulConfig`) keep the
       gathered activation `all_gather(x)` from the forward for the weight
       gradient: D x the activation shard's memory,
       held until the backward (`pallas` keeps the shards its ring received;
       the other impls gather them). False: the backward gathers `x` again
-      (one more all-gather's time).
-    backward_impl: implementation of the backward's collective matmul
-      (dx = reduce_scatter(dy @ w.T)); None: `impl`, with `pallas` made
-      `ring` where the dtype is not bf16/f16.
+      (one more all-gather's time).{plan_args}
 
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
-  impl = _check_operands(x, w, gather_axis, "gather_axis", impl)
-  backward_impl = _check_backward_impl(backward_impl)
+  _check_operands(x, w, gather_axis, "gather_axis")
+  plan = _plan(Collective.ALL_GATHER, x, w, axis_name, gather_axis, impl,
+               kernel_config, backward_impl, preferred_element_type, plan)
   return _all_gather_matmul(x, w, _Static(
-      axis_name, gather_axis, impl, bidirectional, precision,
-      preferred_element_type, kernel_config, save_gathered, backward_impl))
+      axis_name, gather_axis, plan, bidirectional, precision,
+      preferred_element_type, save_gathered))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
-                          impl: Impl | str = Impl.RING,
+                          impl: Impl | str | None = None,
                           bidirectional: bool = True,
                           precision=None, preferred_element_type=None,
                           kernel_config=None, save_gathered: bool = True,
-                          backward_impl: Impl | str | None = None):
+                          backward_impl: Impl | str | None = None,
+                          plan: selection.KernelPlan | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
   tiled=True)`, overlapped.
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
-  dx = all_gather(dy) @ w.T with `all_gather_matmul`'s implementation and
-  the same `impl` (`pallas` becomes `ring` where the cotangent is not
-  bf16/f16).
+  dx = all_gather(dy) @ w.T with `all_gather_matmul`'s implementation.
 
   Args:
     x: local activation `[..., k]`: every row, and this device's slice of
@@ -377,30 +393,32 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
       is scattered over.
     scatter_axis: the leading dimension of `x` the result is scattered on
       (batch, sequence or rows); its size must divide by the axis size.
-    impl: `pallas` (Hopper kernel), `ring` (portable) or `baseline`.
     bidirectional: for `ring` with more than two devices, sum from both
       sides at once, halving the sequential steps.
     precision, preferred_element_type: as in `lax.dot_general`. `ring` sums
       the D partial products in float32 (or the wider
       `preferred_element_type`) and casts once at the end; `baseline` sums
       in the product's dtype, as XLA's reduce-scatter does.
-    kernel_config: a `kernels.ReduceScatterConfig` for `pallas`, or None to
-      pick one for the shape (`selection.select_reduce_scatter_config`).
     save_gathered: (default, as in `CollectiveMatmulConfig`) in the
       backward, use the gathered cotangent that the dx all-gather matmul
       assembles for dw too (D x the cotangent shard's
       memory while dw is computed). False: gather dy again for dw (one more
-      all-gather's time).
-    backward_impl: implementation of the backward's collective matmul
-      (dx = all_gather(dy) @ w.T); None: `impl`, with `pallas` made `ring`
-      where the dtype is not bf16/f16.
+      all-gather's time).{plan_args}
 
   Returns:
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
     over the axis, on device d.
   """
-  impl = _check_operands(x, w, scatter_axis, "scatter_axis", impl)
-  backward_impl = _check_backward_impl(backward_impl)
+  _check_operands(x, w, scatter_axis, "scatter_axis")
+  plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, scatter_axis,
+               impl, kernel_config, backward_impl, preferred_element_type,
+               plan)
   return _matmul_reduce_scatter(x, w, _Static(
-      axis_name, scatter_axis, impl, bidirectional, precision,
-      preferred_element_type, kernel_config, save_gathered, backward_impl))
+      axis_name, scatter_axis, plan, bidirectional, precision,
+      preferred_element_type, save_gathered))
+
+
+all_gather_matmul.__doc__ = all_gather_matmul.__doc__.format(
+    plan_args=_PLAN_ARGS_DOC)
+matmul_reduce_scatter.__doc__ = matmul_reduce_scatter.__doc__.format(
+    plan_args=_PLAN_ARGS_DOC)

@@ -20,6 +20,7 @@ from absl import logging
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from collective_matmul import config as config_lib
 from collective_matmul import ops
@@ -36,7 +37,8 @@ class Decision:
   """What the override did with one `dot_general` at trace time.
 
   `rewritten` with `impl`, or not, with `reason` (also set when rewritten
-  with a fallback implementation, saying why).
+  with a fallback implementation, saying why). `plan`: what runs, forward
+  and backward, with the kernels' configs and their sources.
   """
 
   name: str | None
@@ -57,14 +59,18 @@ class Decision:
   group: tuple[str | None, ...] = ()
   # Why a projection given with siblings was not grouped with them.
   group_reason: str = ""
+  plan: selection.KernelPlan | None = None
 
   def __str__(self):
-    what = (f"rewritten -> {self.impl} over {self.axis!r}" if self.rewritten
+    forward = self.plan.describe() if self.plan else self.impl
+    what = (f"rewritten -> {forward} over {self.axis!r}" if self.rewritten
             else "left to XLA")
     if self.rewritten and self.pattern == "reduce_scatter":
       what += " (matmul + reduce-scatter)"
-    if self.rewritten and self.backward_impl not in (None, self.impl):
-      what += f", backward {self.backward_impl}"
+    if self.rewritten and self.plan is not None and (
+        self.plan.backward_config is not None
+        or self.backward_impl != self.impl):
+      what += f", backward {self.plan.describe(backward=True)}"
     if self.weight_gathered:
       what += f", weight gathered over {self.weight_gathered}"
     if self.group:
@@ -110,7 +116,7 @@ def format_decisions(records: Sequence[Decision] | None = None) -> str:
 _logged_fallbacks: set[str] = set()
 
 
-def _record(decision: Decision, strict: bool, fallback: bool) -> None:
+def record(decision: Decision, strict: bool, fallback: bool) -> None:
   """Records a decision. A fallback (the pattern is there but not served as
   asked) is logged as a warning once per distinct decision; everything else
   only at verbosity 1 (`--v=1`): `format_decisions()` is the summary."""
@@ -133,7 +139,7 @@ def record_not_served(name: str | None, reason: str, *, lhs_shape=(),
   path (an einsum that is not one contraction; a framework projection that
   is quantized, fp8, unknown, ...), so the decision record accounts for
   every matmul, not only those that reached the matcher."""
-  _record(Decision(name=name, rewritten=False, impl=None, reason=reason,
+  record(Decision(name=name, rewritten=False, impl=None, reason=reason,
                    lhs_shape=tuple(lhs_shape), rhs_shape=tuple(rhs_shape),
                    dtype=str(dtype), mode=mode), strict=False,
           fallback=False)
@@ -219,21 +225,22 @@ def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
   return rows, k, n
 
 
-def _choose_impl(cfg, match, lhs, rhs, dimension_numbers, mesh,
-                 preferred_element_type):
-  """(impl, backward impl, reason, is_fallback) for a matched pattern: the
-  configured implementation, resolved by `selection.choose_impl` from the
-  per-shard sizes and the mesh's device facts."""
+def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
+                preferred_element_type) -> selection.KernelPlan:
+  """The kernel plan for a matched pattern: `selection.choose` from the
+  configuration, the per-shard sizes and the mesh's device facts."""
   collective = (Collective.REDUCE_SCATTER
                 if isinstance(match, patterns.ReduceScatterMatch)
                 else Collective.ALL_GATHER)
   rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
-  return selection.choose_impl(
-      cfg.impl, collective, rows, k, n, lhs.dtype, match.axis_size,
-      selection.device_facts(mesh),
-      preferred_element_type=preferred_element_type,
-      fallback_impl=cfg.fallback_impl,
-      reduce_scatter_kernel=cfg.reduce_scatter_kernel)
+  problem = selection.Problem(
+      rows, k, n, jnp.dtype(lhs.dtype), match.axis_size,
+      None if preferred_element_type is None
+      else jnp.dtype(preferred_element_type))
+  return selection.choose(
+      cfg.impl, collective, problem, selection.device_facts(mesh),
+      selection.Options(fallback_impl=cfg.fallback_impl,
+                        reduce_scatter_kernel=cfg.reduce_scatter_kernel))
 
 
 def _canonical_lhs(lhs_block, lhs_contract):
@@ -254,36 +261,60 @@ def _canonical_rhs(rhs_block, rhs_contract):
   return w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1), free_shape
 
 
-def _rewrite(lhs, rhs, dimension_numbers, match, mesh, mode, impl, bwd_impl,
-             cfg, precision, preferred_element_type):
-  """The matched `dot_general` as a collective op in a `shard_map`."""
+def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
+            dimension_numbers, cfg, precision,
+            preferred_element_type) -> list[jax.Array]:
+  """Matched `dot_general`s of one activation as ONE collective op in a
+  `shard_map`, as `kernel_plan` says: one call as its own pattern; several
+  (all-gather matches of the same activation over the same axis) over
+  their weights' local columns concatenated inside the `shard_map` (each
+  device concatenates its own shards, so no weight moves), split after.
+
+  Returns:
+    One result per call, in order.
+  """
+  first = calls[0]
+  match, mode = first.match, first.decision.mode
   (lhs_contract, rhs_contract), _ = dimension_numbers
-  lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
+  lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
   if isinstance(match, patterns.ReduceScatterMatch):
+    if len(calls) > 1:
+      raise ValueError("only all-gather matches share one collective matmul")
     op = functools.partial(ops.matmul_reduce_scatter,
                            scatter_axis=match.out_scatter_dim)
   else:
     op = functools.partial(ops.all_gather_matmul,
                            gather_axis=lhs_free.index(match.lhs_gather_dim))
 
-  def body(lhs_block, rhs_block):
+  def body(lhs_block, *rhs_blocks):
     x = _canonical_lhs(lhs_block, lhs_contract)
-    w, rhs_free_shape = _canonical_rhs(rhs_block, rhs_contract)
-    y = op(x, w, match.axis, impl=impl, bidirectional=cfg.bidirectional,
-           precision=precision, preferred_element_type=preferred_element_type,
-           save_gathered=cfg.save_gathered, backward_impl=bwd_impl)
-    return y.reshape(y.shape[:-1] + rhs_free_shape)
+    ws, free_shapes = zip(*(_canonical_rhs(block, rhs_contract)
+                            for block in rhs_blocks))
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
+    y = op(x, w, match.axis, plan=kernel_plan,
+           bidirectional=cfg.bidirectional, precision=precision,
+           preferred_element_type=preferred_element_type,
+           save_gathered=cfg.save_gathered)
+    parts = ([y] if len(ws) == 1 else
+             jnp.split(y, np.cumsum([w.shape[1] for w in ws])[:-1], axis=-1))
+    return tuple(part.reshape(part.shape[:-1] + free_shape)
+                 for part, free_shape in zip(parts, free_shapes))
 
   to_p = patterns.spec_to_partition_spec
+  lhs, rhss = first.lhs, [call.rhs for call in calls]
   if mode == "explicit":
     # Explicit types must equal shard_map's in_specs: drop the size-1 axes
     # (no data moves) and gather the weight over the axes the match says.
     lhs = jax.sharding.reshard(lhs, to_p(match.lhs_spec))
-    rhs = jax.sharding.reshard(rhs, to_p(match.rhs_spec))
-  return jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(to_p(match.lhs_spec), to_p(match.rhs_spec)),
-      out_specs=to_p(match.out_spec), check_vma=False)(lhs, rhs)
+    rhss = [jax.sharding.reshard(rhs, to_p(call.match.rhs_spec))
+            for rhs, call in zip(rhss, calls)]
+  outs = jax.shard_map(
+      body, mesh=first.mesh,
+      in_specs=(to_p(match.lhs_spec),
+                *(to_p(call.match.rhs_spec) for call in calls)),
+      out_specs=tuple(to_p(call.match.out_spec) for call in calls),
+      check_vma=False)(lhs, *rhss)
+  return list(outs)
 
 
 def _out_spec(out_sharding, out_axes, out_ndim):
@@ -308,10 +339,10 @@ def _out_spec(out_sharding, out_axes, out_ndim):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class CallPlan:
   """What the override will do with one `dot_general`, decided but not yet
   recorded or run: left to XLA (`match` None), or rewritten as `match` says
-  with `decision.impl`. `lhs`/`rhs` are the operands as arrays."""
+  with `decision.plan`. `lhs`/`rhs` are the operands as arrays."""
 
   decision: Decision
   fallback: bool  # A pattern found but not served as asked (strict raises).
@@ -320,11 +351,24 @@ class _Plan:
   match: patterns.AllGatherMatch | patterns.ReduceScatterMatch | None = None
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
+  def with_plan(self, plan: selection.KernelPlan, **decision) -> CallPlan:
+    """This call served by `plan` (its decision says so), with further
+    `decision` fields (a group's names)."""
+    return dataclasses.replace(
+        self, fallback=plan.is_fallback,
+        decision=dataclasses.replace(
+            self.decision, impl=plan.impl, backward_impl=plan.backward_impl,
+            reason=plan.reason, plan=plan, **decision))
 
-def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-          out_sharding, *, lhs_axes, rhs_axes, out_axes, name, cfg,
-          group_reason="") -> _Plan:
-  """The decision for one `dot_general` with the plugin enabled.
+
+def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+              out_sharding=None, *, lhs_axes=None, rhs_axes=None,
+              out_axes=None, name=None, cfg, group_reason="",
+              choose=True) -> CallPlan:
+  """The decision for one `dot_general` with the plugin enabled: the
+  pattern it matches and (with `choose`) the kernel plan that serves it.
+  Without `choose` a match carries no plan yet (`grouping` chooses one for
+  the group).
 
   Raises lax's own TypeError for operands `lax.dot_general` rejects.
   """
@@ -336,7 +380,8 @@ def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
       dtype=str(dtype), mode=mode, group_reason=group_reason)
 
   def left_to_xla(reason, fallback):
-    return _Plan(decide(rewritten=False, impl=None, reason=reason), fallback)
+    return CallPlan(decide(rewritten=False, impl=None, reason=reason),
+                    fallback)
 
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   # lax's own checks first (bad dimension numbers raise lax's TypeError),
@@ -413,37 +458,46 @@ def _plan(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   if lhs_k != rhs_k:
     return left_to_xla(f"contraction sizes differ: lhs {lhs_k}, rhs {rhs_k}",
                        fallback=True)
-  impl, bwd_impl, reason, is_fallback = _choose_impl(
-      cfg, match, lhs, rhs, dimension_numbers, mesh, preferred_element_type)
-  return _Plan(decide(rewritten=True, impl=impl, reason=reason,
-                      axis=match.axis, pattern=pattern,
-                      backward_impl=bwd_impl,
-                      weight_gathered=match.rhs_gathered),
-               is_fallback, lhs, rhs, match, mesh)
+  decision = decide(rewritten=True, impl=None, reason="", axis=match.axis,
+                    pattern=pattern, weight_gathered=match.rhs_gathered)
+  call = CallPlan(decision, False, lhs, rhs, match, mesh)
+  if not choose:
+    return call
+  return call.with_plan(choose_plan(cfg, match, lhs, rhs, dimension_numbers,
+                                    mesh, preferred_element_type))
 
 
-def _dot_general(lhs, rhs, dimension_numbers, precision=None,
-                 preferred_element_type=None, out_sharding=None, *,
-                 lhs_axes=None, rhs_axes=None, out_axes=None, name=None,
-                 config=None, group_reason=""):
+def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                           preferred_element_type=None, out_sharding=None, *,
+                           lhs_axes=None, rhs_axes=None, out_axes=None,
+                           name=None, config=None, group_reason=""):
+  """`dot_general` and `logical_dot_general` with every option: the entry
+  for integrations that carry the logical axes themselves (einsum, MaxText).
+
+  Args:
+    lhs, rhs, dimension_numbers, precision, preferred_element_type,
+    out_sharding: as in `lax.dot_general`.
+    lhs_axes, rhs_axes, out_axes: logical axis names (as in
+      `logical_dot_general`), or None to read explicit shardings.
+    name: labels the decision record.
+    config: a `CollectiveMatmulConfig` instead of the active one.
+    group_reason: why this projection, given with siblings, runs alone.
+  """
   cfg = config or config_lib.get_config()
   if not cfg.enabled:
     return _plain(lhs, rhs, dimension_numbers, precision,
                   preferred_element_type, out_sharding)
-  plan = _plan(lhs, rhs, dimension_numbers, precision,
-               preferred_element_type, out_sharding, lhs_axes=lhs_axes,
-               rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
-               group_reason=group_reason)
-  _record(plan.decision, cfg.strict, plan.fallback)
-  if plan.match is None:
+  call = plan_call(lhs, rhs, dimension_numbers, precision,
+                   preferred_element_type, out_sharding, lhs_axes=lhs_axes,
+                   rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
+                   group_reason=group_reason)
+  record(call.decision, cfg.strict, call.fallback)
+  if call.match is None:
     return _plain(lhs, rhs, dimension_numbers, precision,
                   preferred_element_type, out_sharding)
-  mode = plan.decision.mode
-  out = _rewrite(plan.lhs, plan.rhs, dimension_numbers, plan.match,
-                 plan.mesh, mode, plan.decision.impl,
-                 plan.decision.backward_impl, cfg, precision,
-                 preferred_element_type)
-  if out_sharding is not None and mode == "explicit":
+  [out] = rewrite([call], call.decision.plan, dimension_numbers, cfg,
+                  precision, preferred_element_type)
+  if out_sharding is not None and call.decision.mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out
 
@@ -470,8 +524,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None,
   unknown = set(kwargs) - {"config", "name"}
   if unknown:
     raise TypeError(f"dot_general got unexpected arguments {sorted(unknown)}")
-  return _dot_general(lhs, rhs, dimension_numbers, precision,
-                      preferred_element_type, out_sharding, **kwargs)
+  return collective_dot_general(lhs, rhs, dimension_numbers, precision,
+                                preferred_element_type, out_sharding,
+                                **kwargs)
 
 
 def logical_dot_general(lhs_axes: Sequence[str | None],
@@ -504,10 +559,10 @@ def logical_dot_general(lhs_axes: Sequence[str | None],
 
   def bound_dot_general(lhs, rhs, dimension_numbers, precision=None,
                         preferred_element_type=None, out_sharding=None):
-    return _dot_general(lhs, rhs, dimension_numbers, precision,
-                        preferred_element_type, out_sharding,
-                        lhs_axes=lhs_axes, rhs_axes=rhs_axes,
-                        out_axes=out_axes, name=name, config=config)
+    return collective_dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        out_sharding, lhs_axes=lhs_axes, rhs_axes=rhs_axes,
+        out_axes=out_axes, name=name, config=config)
 
   bound_dot_general.__name__ = f"logical_dot_general[{name or ''}]"
   return bound_dot_general

@@ -116,3 +116,34 @@ def main():
 
 if __name__ == "__main__":
   main()
+
+
+def new_rows(selected_cases=None):
+  """The rows as `selection.choose` computes them today."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  out = {}
+  for case in selected_cases or cases():
+    device = selection.DeviceFacts(case["platform"], case["kind"],
+                                   case["cores"])
+    dtype = np.dtype(jnp.bfloat16 if case["dtype"] == "bfloat16"
+                     else case["dtype"])
+    out_dtype = None if case["out"] is None else np.dtype(case["out"])
+    plan = selection.choose(
+        case["requested"], case["collective"],
+        selection.Problem(case["rows"], case["k"], case["n"], dtype,
+                          case["axis"], out_dtype),
+        device, selection.Options(case["fallback"], case["rs_kernel"]))
+    row = [str(plan.impl), str(plan.backward_impl), plan.reason,
+           str(plan.is_fallback)]
+    if plan.config is not None:
+      row += [config_text(plan.config), plan.source]
+    if plan.backward_config is not None:
+      row += [config_text(plan.backward_config), plan.backward_source]
+    out[key(case)] = "|".join(row)
+  return out
+
+
+def stored_rows():
+  with gzip.open(PATH, "rt") as f:
+    return json.load(f)

@@ -66,7 +66,8 @@ def _reduce_scatter(rows, k, n):
 
 def _choose(cfg, case, mesh):
   match, lhs, rhs, dims = case
-  return override._choose_impl(cfg, match, lhs, rhs, dims, mesh, None)  # pylint: disable=protected-access
+  plan = override.choose_plan(cfg, match, lhs, rhs, dims, mesh, None)
+  return plan.impl, plan.backward_impl, plan.reason, plan.is_fallback
 
 
 @pytest.mark.parametrize("case", [_all_gather, _reduce_scatter])

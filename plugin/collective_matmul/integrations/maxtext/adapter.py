@@ -318,7 +318,7 @@ def _make_dot_general_nnx(original):
     result, group_reason = _sibling_group(stack, call)
     if result is not None:
       return result
-    return override._dot_general(  # pylint: disable=protected-access
+    return override.collective_dot_general(
         inputs, kernel, call.dimension_numbers,
         lax.Precision(matmul_precision),
         lhs_axes=projection.activation_axes, rhs_axes=projection.kernel_axes,

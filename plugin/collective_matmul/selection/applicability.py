@@ -1,0 +1,150 @@
+"""Whether the Hopper kernels may serve a problem, and whether they pay off.
+
+Every rule here takes the facts and, where it needs one, the config that
+would run; none picks a config. Each returns a reason (a sentence for the
+decision record) or None. The rules depend only on global facts (platform,
+device kind, dtype, per-shard sizes, XLA flags, process layout), so every
+process of a job answers the same.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import NamedTuple
+
+from collective_matmul.kernels import configs
+from collective_matmul.kernels.schedule import padding
+from collective_matmul.selection.device import DeviceFacts
+
+
+def unsupported_reason(device: DeviceFacts, dtype, m: int, k: int, n: int,
+                       axis_size: int, out_dtype=None) -> str | None:
+  """Why the Hopper kernels cannot serve this problem, or None if they can.
+
+  m, k, n: the per-shard rows, contraction and columns.
+  """
+  if device.platform not in ("gpu", "cuda"):
+    return f"backend is {device.platform!r}, the kernel needs a CUDA GPU"
+  if not device.is_hopper:
+    return f"device {device.device_kind!r} is not a Hopper (sm_90a) GPU"
+  reason = configs.dtype_reason(dtype, out_dtype)
+  if reason is not None:
+    return reason
+  if min(m, k, n) <= 0:
+    return f"empty problem m={m} k={k} n={n}"
+  if axis_size < 1:
+    return f"axis size {axis_size}"
+  return None
+
+
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="
+
+
+def command_buffer_reason(platform: str,
+                          xla_flags: str | None = None) -> str | None:
+  """Why XLA's command buffers make the kernels unsafe here, or None.
+
+  XLA on GPU records runs of thunks into CUDA graphs and replays them; a
+  replay reuses what was captured at record time, and the collective
+  kernels then lose their cross-device ordering (wrong gradients from the
+  first replay on; docs/TUNING.md, "Command buffers"). So the kernels run
+  only when XLA_FLAGS switches command buffers off
+  (`--xla_gpu_enable_command_buffer=`, as the MaxText launcher sets it).
+  `xla_flags`: XLA_FLAGS (default: the process environment, the same on
+  every process of a job).
+  """
+  if platform not in ("gpu", "cuda"):
+    return None
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  values = re.findall(re.escape(COMMAND_BUFFER_FLAG) + r"(\S*)", flags)
+  if values and values[-1].strip("'\"") == "":
+    return None
+  return ("XLA command buffers (CUDA graphs) are on, and the kernels give "
+          "wrong results under graph replay: set XLA_FLAGS="
+          f"{COMMAND_BUFFER_FLAG} to use them")
+
+
+def process_layout_reason(axis_size: int, device: DeviceFacts) -> str | None:
+  """Why the ring's devices cannot run the kernels as the program's
+  processes own them, or None.
+
+  With a ring over devices of several processes the kernel reaches its
+  peers through NCCL's `ncclGetPeerDevicePointer`, which fails with NCCL
+  2.28.9 (`unhandled system error` at the first step; BUILD.md). One
+  process owning every device of the ring works.
+  """
+  if device.process_count > 1 and device.local_device_count < axis_size:
+    return (f"the ring over {axis_size} devices spans several processes "
+            f"({device.process_count} processes of "
+            f"{device.local_device_count} devices): that path fails on "
+            "NCCL 2.28.9 (BUILD.md); give each process every GPU of its ring")
+  return None
+
+
+def prepare_xla_for_kernels() -> bool:
+  """Switches XLA's command buffers off (XLA_FLAGS), so the Hopper kernels
+  may run (see `command_buffer_reason`). Call before JAX starts its GPU
+  backend; an explicit `--xla_gpu_enable_command_buffer=...` in XLA_FLAGS
+  is left as it is.
+
+  Returns:
+    Whether XLA_FLAGS now switches command buffers off.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if COMMAND_BUFFER_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}".strip()
+  return command_buffer_reason("gpu") is None
+
+
+class SmallBox(NamedTuple):
+  """Per-shard problems (rows, local contraction k, local columns n) where
+  overlapping pays at D = 2 although a ring step has few tiles."""
+
+  min_rows: int
+  k_range: tuple[int, int]
+  min_n: int
+
+  def holds(self, m: int, k: int, n: int) -> bool:
+    low, high = self.k_range
+    return m >= self.min_rows and low <= k <= high and n >= self.min_n
+
+  def __str__(self):
+    low, high = self.k_range
+    return (f"from {self.min_rows} rows with k {low}-{high} and "
+            f"n >= {self.min_n}")
+
+
+# At D = 2 the all-gather's dedicated senders and the reduce-scatter's
+# concurrent ring steps hide the transfer even when a step has few tiles,
+# inside these boxes (their edges: docs/TUNING.md, "Small problems").
+SMALL_BOXES = (SmallBox(128, (2048, 8192), 2048),
+               SmallBox(256, (1024, 14336), 1024))
+
+
+def tiles_per_step(config: configs.TileConfig, m: int, n: int) -> int:
+  """Output tiles of `config` in one ring step of an m x n per-shard
+  result."""
+  pad = padding(config, m, 0, n)
+  return ((m + pad.m) // config.cta_tile_m) * ((n + pad.n) // config.cta_tile_n)
+
+
+def too_small_reason(config: configs.TileConfig, m: int, k: int, n: int,
+                     axis_size: int, num_sms: int) -> str | None:
+  """Why overlapping does not pay for this problem run with `config`, or
+  None if it does.
+
+  `m` is the per-shard rows (before the all-gather, after the
+  reduce-scatter), `k` the local contraction. When one ring step has too
+  few output tiles to keep half the SMs busy, each step's tiles wait on
+  the previous step's data with the GPU mostly idle, and an NCCL collective
+  with one cuBLAS GEMM is faster; except at D = 2 inside `SMALL_BOXES`.
+  """
+  per_step = tiles_per_step(config, m, n)
+  if axis_size == 1 or per_step >= num_sms / 2:
+    return None
+  if axis_size == 2 and any(box.holds(m, k, n) for box in SMALL_BOXES):
+    return None
+  where = ("; at D = 2 measured faster "
+           + " or ".join(map(str, SMALL_BOXES)) if axis_size == 2 else "")
+  return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
+          f"(local {m}x{k}x{n}{where}): the collective + GEMM is faster")

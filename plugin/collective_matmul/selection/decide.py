@@ -1,0 +1,229 @@
+"""The one decision: which implementation and config serve a collective
+matmul, forward and backward (`choose` -> `KernelPlan`).
+
+`choose` is called once per matmul, by the drop-in `dot_general` (or by a
+public op called without a plan); the plan then travels down to the ops and
+the kernels, which never decide again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from collective_matmul.enums import Collective
+from collective_matmul.enums import Impl
+from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.selection import applicability
+from collective_matmul.selection import heuristics
+from collective_matmul.selection import tuned
+from collective_matmul.selection.device import DeviceFacts
+
+HEURISTIC = "heuristic"
+CALLER = "caller"  # A config given explicitly to the op.
+
+
+class Problem(NamedTuple):
+  """The per-shard 2-D problem a kernel sees.
+
+  rows: the activation shard's rows (before the all-gather, after the
+  reduce-scatter); k: the local contraction; n: the local output columns;
+  dtype: the operands'; out_dtype: the result's, None for the operands'.
+  """
+
+  rows: int
+  k: int
+  n: int
+  dtype: np.dtype
+  axis_size: int
+  out_dtype: np.dtype | None = None
+
+  def backward(self) -> Problem:
+    """The backward's problem (dx of the other collective): the cotangent
+    (this result's dtype, widened to meet the weight's) times w.T, written
+    in the operands' dtype."""
+    dtype = jnp.promote_types(self.out_dtype or self.dtype, self.dtype)
+    return Problem(self.rows, self.n, self.k, np.dtype(dtype),
+                   self.axis_size, np.dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The configuration's say in the decision.
+
+  fallback_impl: where the kernel is unavailable off Hopper.
+  reduce_scatter_kernel: whether the matmul-reduce-scatter kernel may run.
+  """
+
+  fallback_impl: Impl = Impl.RING
+  reduce_scatter_kernel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """What runs for one collective matmul and its backward (hashable: the
+  ops carry it as a static argument).
+
+  impl, config, source: the forward's implementation, and for `pallas` its
+  kernel config and where that came from ("caller", "autotune cache",
+  "packaged table" or "heuristic"). backward_impl, backward_config,
+  backward_source: the same for the backward's collective matmul (dx: the
+  other collective). reason: why not the Hopper kernel ("" when it runs, or
+  was not asked for). is_fallback: an explicit `pallas` could not be served.
+  """
+
+  impl: Impl
+  backward_impl: Impl
+  config: TileConfig | None = None
+  source: str = ""
+  backward_config: TileConfig | None = None
+  backward_source: str = ""
+  reason: str = ""
+  is_fallback: bool = False
+
+  def __post_init__(self):
+    for impl, config in ((self.impl, self.config),
+                         (self.backward_impl, self.backward_config)):
+      if (impl == Impl.PALLAS) != (config is not None):
+        raise ValueError(f"a plan runs a kernel config exactly when its "
+                         f"impl is pallas: {impl} with {config}")
+
+  @staticmethod
+  def portable(impl: Impl) -> KernelPlan:
+    """`impl` (ring or baseline) forward and backward."""
+    return KernelPlan(impl, impl)
+
+  def describe(self, backward: bool = False) -> str:
+    """'pallas 128x256x64 s4 (packaged table)', or the impl's name."""
+    impl, config, source = ((self.backward_impl, self.backward_config,
+                             self.backward_source) if backward
+                            else (self.impl, self.config, self.source))
+    if config is None:
+      return str(impl)
+    return f"{impl} {config_label(config)} ({source})"
+
+
+def config_label(config: TileConfig) -> str:
+  """A config in a few characters: the CTA tile m x n x k, the pipeline
+  stages, then every other field that differs from its default
+  (`128x256x64 s4 sender_sms=4 k_major_sends`)."""
+  shown = ("tile_m", "tile_n", "tile_k", "max_concurrent_steps")
+  defaults = type(config)()
+  extras = []
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name in shown or value == getattr(defaults, field.name):
+      continue
+    if isinstance(value, bool):
+      extras.append(field.name if value else f"no_{field.name}")
+    else:
+      extras.append(f"{field.name}={value}")
+  return " ".join([f"{config.cta_tile_m}x{config.cta_tile_n}x"
+                   f"{config.tile_k} s{config.max_concurrent_steps}"]
+                  + extras)
+
+
+def config_for(collective: Collective, problem: Problem, device: DeviceFacts
+               ) -> tuple[TileConfig, str]:
+  """`collective`'s kernel config for `problem` on `device`, with its
+  source: the autotune cache (single-process programs), the packaged table,
+  else the heuristics."""
+  m, k, n, dtype, axis_size, out_dtype = problem
+  found = tuned.measured_config(collective, m, k, n, dtype, axis_size,
+                                device.device_kind, out_dtype,
+                                heuristics.fit_shared_memory)
+  if found is not None:
+    return found
+  return heuristic_config(collective, problem, device), HEURISTIC
+
+
+def heuristic_config(collective: Collective, problem: Problem,
+                     device: DeviceFacts) -> TileConfig:
+  """`collective`'s kernel config for `problem` by the heuristics alone,
+  whatever is measured."""
+  pick = (heuristics.all_gather_config if collective == Collective.ALL_GATHER
+          else heuristics.reduce_scatter_config)
+  m, k, n, dtype, axis_size, out_dtype = problem
+  return pick(m, k, n, dtype, axis_size, device.num_cores, out_dtype)
+
+
+class _Verdict(NamedTuple):
+  """Why the Hopper kernel is not used: `impl` instead; `hard`: it cannot
+  or may not run (an explicit `pallas` falls back), else it would only be
+  slower (`auto` avoids it, an explicit `pallas` still runs it)."""
+
+  reason: str
+  impl: Impl
+  hard: bool
+
+
+def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
+            options: Options, config: TileConfig | None
+            ) -> tuple[_Verdict | None, TileConfig | None, str]:
+  """(why not the kernel or None, its config, the config's source) for
+  `collective` on `problem`; `config`: the caller's, else chosen here."""
+  m, k, n, dtype, axis_size, out_dtype = problem
+  reason = applicability.unsupported_reason(device, dtype, m, k, n,
+                                            axis_size, out_dtype)
+  if reason is not None:
+    return (_Verdict(f"pallas unavailable: {reason}", options.fallback_impl,
+                     True), None, "")
+  reason = (applicability.command_buffer_reason(device.platform) or
+            applicability.process_layout_reason(axis_size, device))
+  if reason is not None:
+    return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
+            None, "")
+  if collective == Collective.REDUCE_SCATTER and not (
+      options.reduce_scatter_kernel):
+    return (_Verdict("the reduce-scatter kernel is switched off",
+                     Impl.BASELINE, True), None, "")
+  if config is None:
+    config, source = config_for(collective, problem, device)
+  else:
+    source = CALLER
+  small = applicability.too_small_reason(config, m, k, n, axis_size,
+                                         device.num_cores)
+  if small is not None:
+    return _Verdict(small, Impl.BASELINE, False), config, source
+  return None, config, source
+
+
+def choose(requested: Impl | str, collective: Collective | str,
+           problem: Problem, device: DeviceFacts,
+           options: Options = Options(), *,
+           config: TileConfig | None = None) -> KernelPlan:
+  """The one implementation decision, forward and backward, with configs.
+
+  `auto` takes the Hopper kernel where it applies and pays off, else XLA's
+  collective + GEMM (NCCL + cuBLAS) where the kernel may not run on this
+  Hopper GPU or a problem is too small to overlap, else (off Hopper)
+  `options.fallback_impl`. An explicit `pallas` runs the kernel wherever it
+  can; where it cannot, that is a fallback (`is_fallback`). The backward's
+  collective matmul (the other collective, `problem.backward()`) is chosen
+  by the same rules once the forward runs the kernel.
+
+  Args:
+    requested: the configured implementation (auto, pallas, ring, baseline).
+    collective: the forward's (all_gather or reduce_scatter).
+    problem: the forward's per-shard problem.
+    device: the mesh's device facts (`device_facts`).
+    options: the configuration's fallback and kernel switches.
+    config: the forward's kernel config, if the caller fixed one.
+  """
+  requested = Impl.parse(requested, "impl")
+  collective = Collective.parse(collective, "collective")
+  if requested in (Impl.RING, Impl.BASELINE):
+    return KernelPlan.portable(requested)
+  verdict, config, source = _kernel(collective, problem, device, options,
+                                    config)
+  if verdict is not None and (requested == Impl.AUTO or verdict.hard):
+    return KernelPlan(verdict.impl, verdict.impl, reason=verdict.reason,
+                      is_fallback=requested == Impl.PALLAS and verdict.hard)
+  back, back_config, back_source = _kernel(
+      collective.transpose, problem.backward(), device, options, None)
+  if back is not None:
+    return KernelPlan(Impl.PALLAS, back.impl, config, source)
+  return KernelPlan(Impl.PALLAS, Impl.PALLAS, config, source, back_config,
+                    back_source)

@@ -1,0 +1,246 @@
+"""The kernels' configs where nothing measured applies: what is tried
+(`tile_candidates`) and how one is picked for a problem.
+
+Each rule states its mechanism; where its thresholds come from (the
+measurements, per rule) is in docs/TUNING.md, whose sections are named after
+the constants here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from collective_matmul.kernels.configs import AllGatherConfig
+from collective_matmul.kernels.configs import ReduceScatterConfig
+from collective_matmul.kernels.configs import SMEM_BYTES
+from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.kernels.schedule import padding
+from collective_matmul.selection.applicability import tiles_per_step
+
+
+def tile_candidates():
+  """The tile shapes the heuristic (and autotuning) choose from."""
+  for tile_m, tile_n, wg in ((128, 128, "n"), (128, 128, "m"),
+                             (128, 64, "n"), (64, 128, "n"), (64, 64, "n")):
+    yield AllGatherConfig(tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
+                          epi_tile_m=64, epi_tile_n=64)
+
+
+def fit_shared_memory(config: TileConfig, dtype, out_dtype=None):
+  """`config` with as many pipeline stages (<= its own) as fit, or None."""
+  itemsize = np.dtype(dtype).itemsize
+  out_itemsize = np.dtype(out_dtype or dtype).itemsize
+  for stages in range(config.max_concurrent_steps, 1, -1):
+    fitted = dataclasses.replace(config, max_concurrent_steps=stages)
+    if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
+      return fitted
+  return None
+
+
+def _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype) -> AllGatherConfig:
+  """The largest CTA tile that needs the least padding and still gives at
+  least half the SMs work across the ring, with as many pipeline stages as
+  fit."""
+  def score(cfg: AllGatherConfig):
+    pad = padding(cfg, m, k, n)
+    waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
+    tiles = axis_size * tiles_per_step(cfg, m, n)
+    underfill = max(0.0, 1 - tiles / (num_sms / 2))
+    area = cfg.cta_tile_m * cfg.cta_tile_n
+    return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
+
+  fitting = [c for c in (fit_shared_memory(c, dtype, out_dtype)
+                         for c in tile_candidates()) if c is not None]
+  return min(fitting, key=score)
+
+
+def all_gather_config(m: int, k: int, n: int, dtype, axis_size: int,
+                      num_sms: int, out_dtype=None) -> AllGatherConfig:
+  """The all-gather kernel's heuristic config for local shards `m x k` and
+  `k x n`: `_tiles`, then dedicated senders (`_sender_config`) and chained
+  tiles (`_chained`) where they help."""
+  base = _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype)
+  config = _sender_config(base, m, k, n, dtype, axis_size, num_sms,
+                          out_dtype) or base
+  return _chained(config, k, n, axis_size)
+
+
+def reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
+                          num_sms: int, out_dtype=None) -> ReduceScatterConfig:
+  """The reduce-scatter kernel's heuristic config: `_tiles` with the
+  epilogue and send pacing that kernel wants (m: rows after the scatter).
+
+  Its epilogue stores each tile's partial sum to the next device. With the
+  whole warpgroup tile in two epilogue slots (epi tile = half the tile) an
+  epilogue never waits for NVLink to drain a slot, and the stores overlap
+  the next tile's main loop; the shared memory comes from one pipeline
+  stage (the kernel does not forward from its pipeline, so it releases
+  slots without delay and 3 stages prefetch as deep as the all-gather's 4).
+  Kept as tiled when a wider epilogue would leave fewer than 3 stages.
+
+  Send pacing: with D = 2 and a ring step's tiles in one wave, every SM
+  stores its partial sum at the same moment, and 4 row pieces 6 steps apart
+  keep each remote store short; over several waves, and at D > 2, 2 pieces
+  12 apart.
+  """
+  tiles = _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype)
+  if _steps_in_one_wave(tiles, m, n, axis_size, num_sms):
+    # Smaller tiles, so a step's partial sums move while the next computes.
+    tiles = _one_round_tiles(tiles, m, n, dtype, out_dtype,
+                             num_sms) or tiles
+  base = ReduceScatterConfig(**tiles.tile_fields())
+  if base.tile_m % 2 or (base.tile_m // 2) % 64:
+    return base
+  one_wave = tiles_per_step(base, m, n) <= num_sms
+  pieces, gap = (4, 6) if axis_size == 2 and one_wave else (2, 12)
+  wide = fit_shared_memory(
+      dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
+                          epi_tile_n=base.tile_n, send_gap=gap,
+                          send_pieces=pieces),
+      dtype, out_dtype)
+  if wide is None or wide.max_concurrent_steps < 3:
+    return base
+  return wide
+
+
+# Local n up to which a block's tiles share one pipeline with the tiles'
+# own sends released in their k step (`eager_release`, `chain_tiles`), at
+# D = 2; wider, the eager release costs more than the chaining saves.
+CHAIN_EAGER_MAX_N = 4096
+
+
+def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
+  """`config` with a block's tiles on one pipeline (`chain_tiles`) at D = 2,
+  so the next tile's first k blocks load during this one's last steps and
+  epilogue:
+
+  * with the balanced dedicated senders (by rows, several waves per step),
+    also where the pipeline's steps are no multiple of its depth
+    (`kernels` then chains with an offset);
+  * with the tiles' own sends released in their k step (`eager_release`),
+    up to `CHAIN_EAGER_MAX_N` columns and where the k steps are a multiple
+    of the pipeline depth.
+
+  Not with k-major senders: each SM runs one tile per ring step there, so
+  there is no next tile to start early.
+  """
+  if axis_size != 2:
+    return config
+  if config.sender_sms and not config.k_major_sends:
+    return dataclasses.replace(config, chain_tiles=True)
+  k_iters = (k + padding(config, 0, k, 0).k) // config.tile_k
+  if (not config.sender_sms and n <= CHAIN_EAGER_MAX_N
+      and k_iters % config.max_concurrent_steps == 0):
+    return dataclasses.replace(config, eager_release=True, chain_tiles=True)
+  return config
+
+
+# Sender blocks of the dedicated-sender schedule (`AllGatherConfig.sender_sms`).
+SENDER_SMS = 4
+# Where all ring steps' tiles run at once and leave more SMs idle than
+# `SENDER_SMS`, the senders take the idle SMs, up to this many (each moves
+# a few tens of GB/s, so more senders deliver the shard sooner).
+SENDER_MAX_IDLE_SMS = 16
+# Several waves per step: the balanced senders deliver each row block in
+# time where a step's GEMM (2 m k n flops) and the shard's transfer (m k
+# elements) take about as long, a ratio of n alone: local n in this range,
+# with at least `SENDER_BALANCED_MIN_M` rows per shard.
+SENDER_BALANCED_N = (4096, 8192)
+SENDER_BALANCED_MIN_M = 4096
+# One wave per step (D = 2): k-major senders only from this local n on,
+# where a step's GEMM lasts long enough for the senders to deliver the
+# shard within two steps.
+SENDER_K_MAJOR_MIN_N = 4096
+# Where all ring steps are one wave the senders' transfer is the critical
+# path: 128-column k steps (the senders copy 256-byte rows) with at least
+# `SENDER_WIDE_MIN_STAGES` pipeline stages.
+SENDER_WIDE_TILE_K = 128
+SENDER_WIDE_MIN_STAGES = 3
+
+
+def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
+                   out_dtype) -> AllGatherConfig | None:
+  """The dedicated-sender schedule where it helps, else None.
+
+  All ring steps in one wave: the remote tiles would sit idle until sends
+  paced through the local tiles' k loops delivered their rows. Instead
+  `SENDER_SMS` (up to `SENDER_MAX_IDLE_SMS` idle) blocks only send, k-major
+  (a remote tile starts as soon as the first k group is in), and the
+  largest CTA tile (>= 128 rows) whose ring step fills the other SMs once
+  lets each SM run its local tile while its remote rows arrive; with
+  `SENDER_WIDE_TILE_K` where that fits.
+
+  One wave per step (from `SENDER_K_MAJOR_MIN_N` columns, D = 2): the same
+  k-major senders beside `base`'s tiles: the next step's tiles start at
+  once and the senders need only stay ahead of their k loops.
+
+  Several waves per step (`SENDER_BALANCED_N`, `SENDER_BALANCED_MIN_M`,
+  D = 2): row-major senders deliver each row block in time and the other
+  SMs compute without sends in their k loops. Below that range the transfer
+  outlasts a step; above it the senders' SMs are missed.
+  """
+  if _steps_in_one_wave(base, m, n, axis_size, num_sms):
+    tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
+                             num_sms - SENDER_SMS)
+    if tiles is None:  # `base` already fills the most SMs it can.
+      tiles = base
+    idle = num_sms - axis_size * tiles_per_step(tiles, m, n)
+    if tiles is base and idle < SENDER_SMS:
+      # The senders would push tiles into a second wave: no senders.
+      return None
+    senders = dataclasses.replace(
+        tiles, sender_sms=max(SENDER_SMS, min(idle, SENDER_MAX_IDLE_SMS)),
+        k_major_sends=True)
+    wide = wide_sender_tiles(senders, dtype, out_dtype)
+    if wide is not None and k % SENDER_WIDE_TILE_K == 0:
+      return wide
+    return fit_shared_memory(senders, dtype, out_dtype)
+  if (axis_size == 2 and n >= SENDER_K_MAJOR_MIN_N
+      and tiles_per_step(base, m, n) <= num_sms - SENDER_SMS):
+    return fit_shared_memory(
+        dataclasses.replace(base, sender_sms=SENDER_SMS, k_major_sends=True),
+        dtype, out_dtype)
+  low, high = SENDER_BALANCED_N
+  if axis_size == 2 and low <= n <= high and m >= SENDER_BALANCED_MIN_M:
+    return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),
+                             dtype, out_dtype)
+  return None
+
+
+def wide_sender_tiles(config: AllGatherConfig, dtype,
+                      out_dtype=None) -> AllGatherConfig | None:
+  """`config` with the k step `SENDER_WIDE_TILE_K`, if at least
+  `SENDER_WIDE_MIN_STAGES` pipeline stages of it fit, else None."""
+  wide = fit_shared_memory(
+      dataclasses.replace(config, tile_k=SENDER_WIDE_TILE_K), dtype,
+      out_dtype)
+  if wide is None or wide.max_concurrent_steps < SENDER_WIDE_MIN_STAGES:
+    return None
+  return wide
+
+
+def _steps_in_one_wave(config: TileConfig, m, n, axis_size, num_sms) -> bool:
+  """At D = 2, whether all ring steps' tiles of `config` run in one wave: a
+  remote tile then waits idle for data that its peer produces (the
+  all-gather's rows, the reduce-scatter's partial sum) in a tile running at
+  the same time."""
+  return axis_size == 2 and axis_size * tiles_per_step(config, m, n) <= (
+      num_sms)
+
+
+def _one_round_tiles(base: TileConfig, m, n, dtype, out_dtype,
+                     blocks) -> AllGatherConfig | None:
+  """The tiles (>= 128 rows) whose ring step fills the most of `blocks` SMs
+  (ties in `tile_candidates` order), if that is more tiles per step than
+  `base` has, else None: each SM then runs one tile of each step in turn,
+  and a step's data moves while the previous step computes."""
+  fitting = [c for c in (fit_shared_memory(t, dtype, out_dtype)
+                         for t in tile_candidates())
+             if c is not None and c.cta_tile_m >= 128
+             and tiles_per_step(c, m, n) <= blocks]
+  if not fitting:
+    return None
+  best = max(fitting, key=lambda c: tiles_per_step(c, m, n))
+  more = tiles_per_step(best, m, n) > tiles_per_step(base, m, n)
+  return best if more else None

@@ -1,0 +1,253 @@
+"""Measured configs: the per-host autotune cache and the packaged table.
+
+A lookup returns `(config, source)` or None. The packaged table
+(`tuned_configs.json`, shipped with the package) is read in every program;
+the per-host cache only in a single-process program, since processes that
+read different files could choose differently and hang the ring. Both are
+read like input: an entry that does not build its kernel's config with
+fields of the right types and ranges is a miss, logged once with the
+reason, never an error; a cache file that cannot be read is set aside when
+the next autotune result is stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import os
+import time
+import types
+from typing import Mapping
+
+from absl import logging
+import jax
+import numpy as np
+
+from collective_matmul.enums import Collective
+from collective_matmul.kernels.configs import AllGatherConfig
+from collective_matmul.kernels.configs import ReduceScatterConfig
+from collective_matmul.kernels.configs import TileConfig
+
+AUTOTUNE_CACHE = "autotune cache"
+PACKAGED_TABLE = "packaged table"
+
+# A cache entry's pattern: the kernel (collective) it configures.
+CACHE_PATTERNS = tuple(c.value for c in Collective)
+CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
+                  Collective.REDUCE_SCATTER: ReduceScatterConfig}
+# Pipeline stages beyond this never fit shared memory; a larger value in a
+# file is damage, not a config.
+MAX_STAGES = 64
+
+
+def cache_path() -> str:
+  return os.environ.get(
+      "COLLECTIVE_MATMUL_TUNING_CACHE",
+      os.path.join(os.path.expanduser("~"), ".cache", "collective_matmul",
+                   "tuning.json"))
+
+
+def cache_key(m, k, n, dtype, axis_size, device_kind: str,
+              pattern=Collective.ALL_GATHER) -> str:
+  """Key of a cache or table entry; the two kernels' entries never mix."""
+  pattern = Collective.parse(pattern, "pattern")
+  key = f"{device_kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+  return (key if pattern == Collective.ALL_GATHER
+          else f"{pattern.value}|{key}")
+
+
+def key_pattern(key: str) -> Collective:
+  """The pattern of a `cache_key`."""
+  head = key.split("|", 1)[0]
+  return (Collective.parse(head, "pattern") if head in CACHE_PATTERNS
+          else Collective.ALL_GATHER)
+
+
+_FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
+                "int | None": (int, type(None))}
+
+
+def config_from_fields(pattern: Collective, fields) -> TileConfig:
+  """`pattern`'s config class built from an entry's fields (a JSON object),
+  each of its declared type (a bool is no int, 128.0 no int, "no" no bool).
+
+  Raises:
+    TypeError, ValueError: naming the field, when they do not build one.
+  """
+  if not isinstance(fields, dict):
+    raise TypeError(f"config {fields!r} is not a JSON object")
+  cls = CONFIG_CLASSES[pattern]
+  declared = {f.name: f.type for f in dataclasses.fields(cls)}
+  for name, value in fields.items():
+    if name not in declared:
+      raise TypeError(f"{cls.__name__} has no field {name!r}")
+    allowed = _FIELD_TYPES[str(declared[name])]
+    if not isinstance(value, allowed) or (
+        isinstance(value, bool) and bool not in allowed):
+      raise TypeError(f"{name}={value!r} must be of type {declared[name]}")
+  if fields.get("max_concurrent_steps", 2) > MAX_STAGES:
+    raise ValueError(f"max_concurrent_steps={fields['max_concurrent_steps']}"
+                     f" is more than {MAX_STAGES}")
+  return cls(**fields)
+
+
+_logged_misses: set[tuple[str, str]] = set()
+
+
+def _log_miss(origin: str, what: str, reason) -> None:
+  """One warning per distinct unreadable entry or file."""
+  if (origin, what) in _logged_misses:
+    return
+  _logged_misses.add((origin, what))
+  logging.warning("collective matmul: %s in %s not used: %s", what, origin,
+                  reason)
+
+
+def _read_json(path: str):
+  """The parsed file; raises ValueError (with the cause) when it is not
+  JSON this reader takes."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, RecursionError,
+          json.JSONDecodeError) as e:
+    raise ValueError(f"{type(e).__name__}: {e}") from e
+
+
+def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
+                       pattern=Collective.ALL_GATHER):
+  """The autotuned config of this problem for `pattern`'s kernel, or None
+  (no file, no entry, an entry this version cannot read, or a program of
+  several processes, where each would read its own host's file)."""
+  path = cache_path()
+  if not os.path.exists(path):
+    return None
+  if jax.process_count() > 1:
+    _log_miss(path, "the autotune cache",
+              "a multi-process program does not read a per-host file "
+              "(each process could choose differently)")
+    return None
+  pattern = Collective.parse(pattern, "pattern")
+  key = cache_key(m, k, n, dtype, axis_size, device_kind, pattern)
+  try:
+    table = _read_json(path)
+  except ValueError as e:
+    _log_miss(path, "the file", e)
+    return None
+  if not isinstance(table, dict):
+    _log_miss(path, "the file", "it is not a JSON object")
+    return None
+  if key not in table:
+    return None
+  try:
+    return config_from_fields(pattern, table[key])
+  except (TypeError, ValueError) as e:
+    _log_miss(path, f"entry {key!r}", e)
+    return None
+
+
+def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
+                        n, dtype, axis_size, device_kind: str, *,
+                        pattern=None) -> str:
+  """Stores `config` as the tuned one of its kernel (`pattern`: None, or
+  the pattern of the config's class) for this problem; returns the path.
+
+  A cache file that cannot be read is set aside (`<path>.damaged-<time>`,
+  logged) and a new one written, so a sweep's result is never lost to it.
+  """
+  own = next(p for p, cls in CONFIG_CLASSES.items()
+             if type(config) is cls)  # pylint: disable=unidiomatic-typecheck
+  if pattern is not None and Collective.parse(pattern, "pattern") != own:
+    raise ValueError(f"a {type(config).__name__} is the {own.value!r} "
+                     f"kernel's config, not the {pattern!r} kernel's")
+  path = cache_path()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  table = {}
+  if os.path.exists(path):
+    try:
+      table = _read_json(path)
+      if not isinstance(table, dict):
+        raise ValueError("it is not a JSON object")
+    except ValueError as e:
+      aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+      os.replace(path, aside)
+      logging.warning("collective matmul: the autotune cache %s was not "
+                      "readable (%s); moved to %s, writing a new one", path,
+                      e, aside)
+      table = {}
+  table[cache_key(m, k, n, dtype, axis_size, device_kind,
+                  own)] = config.to_json()
+  with open(path + ".tmp", "w") as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+# Package data next to this package; its "_about" says how entries are made.
+TUNED_CONFIGS_FILE = "tuned_configs.json"
+
+
+def parse_tuned_configs(data, origin: str = TUNED_CONFIGS_FILE
+                        ) -> Mapping[str, TileConfig]:
+  """{cache key: config} of a table in `tuned_configs.json`'s format.
+
+  An entry whose key or config is missing, whose fields do not build its
+  kernel's config class (fields of another version), or whose key repeats
+  an earlier entry is skipped with a logged warning, never an error.
+  """
+  table = {}
+  entries = data.get("entries", []) if isinstance(data, dict) else None
+  if not isinstance(entries, list):
+    logging.warning("collective matmul: %s has no list of entries; not used",
+                    origin)
+    return types.MappingProxyType(table)
+  for i, entry in enumerate(entries):
+    try:
+      key = entry["key"]
+      if key in table:
+        raise ValueError(f"key {key!r} repeats an earlier entry")
+      table[key] = config_from_fields(key_pattern(key), entry["config"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      logging.warning("collective matmul: entry %d of %s skipped: %s", i,
+                      origin, e)
+  return types.MappingProxyType(table)
+
+
+@functools.cache
+def packaged_table() -> Mapping[str, TileConfig]:
+  """The packaged table of measured configs (`tuned_configs.json`), read
+  once; empty, with a logged warning, when it cannot be read."""
+  try:
+    text = importlib.resources.files("collective_matmul").joinpath(
+        TUNED_CONFIGS_FILE).read_text()
+    data = json.loads(text)
+  except (OSError, ValueError) as e:
+    logging.warning("collective matmul: the packaged table %s is not "
+                    "readable (%s); not used", TUNED_CONFIGS_FILE, e)
+    return types.MappingProxyType({})
+  return parse_tuned_configs(data)
+
+
+def packaged_config(m, k, n, dtype, axis_size, device_kind: str, *,
+                    pattern=Collective.ALL_GATHER):
+  """The packaged table's measured config of this problem for `pattern`'s
+  kernel, or None."""
+  return packaged_table().get(cache_key(m, k, n, dtype, axis_size,
+                                        device_kind, pattern))
+
+
+def measured_config(collective: Collective, m, k, n, dtype, axis_size,
+                    device_kind: str, out_dtype, fit
+                    ) -> tuple[TileConfig, str] | None:
+  """The first measured config of this problem that fits shared memory
+  (`fit(config, dtype, out_dtype)`), with its source: the autotune cache's,
+  then the packaged table's; else None."""
+  for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
+                         (PACKAGED_TABLE, packaged_config)):
+    found = lookup(m, k, n, dtype, axis_size, device_kind, pattern=collective)
+    fitted = None if found is None else fit(found, dtype, out_dtype)
+    if fitted is not None:
+      return fitted, source
+  return None
+

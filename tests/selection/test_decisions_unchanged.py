@@ -1,0 +1,77 @@
+"""The selection redesign kept every decision and config: 72576 cases
+(`decision_grid`) as the code before it (d8888bb) computed them, against
+`selection.choose` today.
+
+One rule changed on purpose: the backward's small-problem test counts the
+tiles of the config that kernel would run. Before, the reduce-scatter
+backward of an all-gather counted the all-gather kernel's tiles. The cases
+where that flips the backward are checked to be exactly those.
+"""
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from collective_matmul import selection
+from collective_matmul.enums import Collective
+
+sys.path.insert(0, os.path.dirname(__file__))
+import decision_grid  # pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _no_cache_command_buffers_off(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  monkeypatch.setenv("COLLECTIVE_MATMUL_TUNING_CACHE",
+                     "/nonexistent/tuning.json")
+
+
+def _case(key):
+  return next(c for c in decision_grid.cases() if decision_grid.key(c) == key)
+
+
+def _counted_with_the_other_kernels_tiles(case) -> bool:
+  """Whether the backward's verdict differs between counting the
+  all-gather kernel's tiles (the old rule) and the reduce-scatter's own."""
+  device = selection.DeviceFacts(case["platform"], case["kind"],
+                                 case["cores"])
+  dtype = np.dtype(jnp.bfloat16 if case["dtype"] == "bfloat16"
+                   else case["dtype"])
+  back = selection.Problem(case["rows"], case["k"], case["n"], dtype,
+                           case["axis"]).backward()
+  m, k, n = back.rows, back.k, back.n
+  own = selection.config_for(Collective.REDUCE_SCATTER, back, device)[0]
+  other = selection.config_for(Collective.ALL_GATHER, back, device)[0]
+  too_small = lambda c: selection.too_small_reason(
+      c, m, k, n, case["axis"], device.num_cores)
+  return too_small(own) is None and too_small(other) is not None
+
+
+def test_every_decision_and_config_is_as_before_the_redesign():
+  before = decision_grid.stored_rows()
+  now = decision_grid.new_rows()
+  assert before.keys() == now.keys()
+  changed = [key for key in before if before[key] != now[key]]
+  assert len(changed) < 100, changed[:5]
+  for key in changed:
+    old, new = before[key].split("|"), now[key].split("|")
+    case = _case(key)
+    # Only the backward of an all-gather changed, from XLA's to the kernel,
+    # and only where the old rule counted the other kernel's tiles.
+    assert case["collective"] == "all_gather", key
+    assert (old[1], new[1]) == ("baseline", "pallas"), key
+    assert old[0] == new[0] and old[2:6] == new[2:6], key
+    assert _counted_with_the_other_kernels_tiles(case), key
+
+
+def test_the_grid_covers_every_outcome():
+  """A grid that missed a branch would pin nothing there."""
+  rows = decision_grid.stored_rows().values()
+  outcomes = {tuple(r.split("|")[:2]) for r in rows}
+  assert outcomes >= {("pallas", "pallas"), ("pallas", "baseline"),
+                      ("pallas", "ring"), ("baseline", "baseline"),
+                      ("ring", "ring")}
+  sources = {r.split("|")[5] for r in rows if r.startswith("pallas")}
+  assert sources == {"heuristic", "packaged table"}
