@@ -1,20 +1,59 @@
 """The kernels' tuning configurations: frozen dataclasses, validated up front.
 
-One config class per kernel on a shared tile base. Pure Python (no JAX, no
-Pallas), so the selection layer builds, stores and compares configs without
-importing the kernels. Also the hardware facts the kernels check against.
+One config class per kernel on a shared tile base. No Pallas (and JAX only
+inside `sm_count`), so the selection layer builds, stores and compares
+configs without importing the kernels. Also the hardware facts and operand
+rules the kernels check against, which the selection layer applies too.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 # The operand dtypes the Hopper kernels take (numpy dtype names).
 KERNEL_DTYPES = ("bfloat16", "float16")
+# The SMs of an H100 or H200 (SXM): the count where JAX names none (tracing
+# the kernels on CPU).
+DEFAULT_SM_COUNT = 132
 SMEM_BYTES = 232_448  # Per-block shared memory on sm_90.
 SMEM_RESERVE = 1024  # Barriers and bookkeeping.
 # Chunks in flight per sender block (`AllGatherConfig.sender_sms`).
 MAX_SENDER_SLOTS = 12
+
+
+def sm_count(device=None) -> int:
+  """The SMs of `device`: the blocks a persistent kernel launches.
+
+  `device`: an abstract mesh's `abstract_device` (its `num_cores`) or a JAX
+  device (its `core_count`); None: the current abstract mesh's. Where that
+  names no count, the first of `jax.devices()`'s `core_count`, else
+  `DEFAULT_SM_COUNT` (off GPU, e.g. tracing the kernels on CPU).
+  """
+  import jax  # pylint: disable=g-import-not-at-top  # Only here (see above).
+  if device is None:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device",
+                     None)
+  cores = (getattr(device, "num_cores", None)
+           or getattr(device, "core_count", None))
+  if cores:
+    return cores
+  return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+
+
+def dtype_reason(dtype, out_dtype=None) -> str | None:
+  """Why the kernels cannot take operands of `dtype` with results of
+  `out_dtype` (None: the operands' dtype), or None if they can: bf16 or f16
+  operands, results in the operands' dtype or float32."""
+  name = np.dtype(dtype).name
+  if name not in KERNEL_DTYPES:
+    return f"dtype {name} (kernel takes bf16 or f16)"
+  if out_dtype is not None and np.dtype(out_dtype).name not in (name,
+                                                                "float32"):
+    return (f"preferred_element_type {np.dtype(out_dtype).name} (kernel "
+            f"gives {name} or float32)")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
