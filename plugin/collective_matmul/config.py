@@ -18,50 +18,74 @@ IMPLEMENTATIONS = tuple(impl.value for impl in Impl)
 FALLBACK_IMPLEMENTATIONS = (Impl.RING.value, Impl.BASELINE.value)
 
 
+def _option(default, flag: str, help_text: str):
+  """A configuration field declared with its absl flag and its description:
+  the one place each option is described (`flags` builds the flags and
+  `options_table` the README's table from it)."""
+  return dataclasses.field(default=default,
+                           metadata={"flag": flag, "help": help_text})
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveMatmulConfig:
   """What the drop-in `dot_general` does with the collective-matmul pattern.
 
-  Attributes:
-    enabled: rewrite detected patterns at all. Off: `dot_general` is exactly
-      `lax.dot_general`.
-    impl: `auto` (the Hopper kernel where it applies, else `fallback_impl`),
-      `pallas` (the Hopper kernel), `ring` (portable ppermute ring) or
-      `baseline` (all-gather, then one dot).
-    strict: a fallback (pattern found but not served as asked) raises
-      `ValueError` instead of being logged.
-    fallback_impl: what `auto`, or an unavailable `pallas`, falls back to.
-    bidirectional: the ring sends both ways round when the axis has more than
-      two devices, halving its sequential steps.
-    save_gathered: memory policy for the weight gradients. True: keep the
-      operand a collective matmul gathers (the all-gather pattern's
-      activation, from forward to backward: D x its memory) so dw needs no
-      second all-gather (the default: the same memory XLA's autodiff of
-      all-gather + dot keeps); False: gather again in the backward (time).
-    reduce_scatter_kernel: let `auto` (and the backward of a `pallas`
-      all-gather matmul) use the Hopper matmul-reduce-scatter kernel; off:
-      XLA's matmul + reduce-scatter there instead.
-    group_siblings: projections of one activation given together
-      (`grouped_logical_dot_general`: q/k/v, wi_0/wi_1) run as one
-      collective matmul over their concatenated weight columns, sending the
-      activation once; off: one collective matmul each.
-    exclude: call sites left to XLA whatever they match: their names as
-      the decision record gives them (e.g. `decoder/logits_dense`), or
-      shell-style patterns (`*logits*`). A call without a name is never
-      excluded.
+  Each field's description is its `metadata["help"]` (`options_table()`
+  lists them); the absl flag named in `metadata["flag"]` sets it.
   """
 
-  enabled: bool = False
-  impl: Impl = Impl.AUTO
-  strict: bool = False
-  fallback_impl: Impl = Impl.RING
-  bidirectional: bool = True
-  save_gathered: bool = True
-  reduce_scatter_kernel: bool = True
-  group_siblings: bool = True
-  exclude: tuple[str, ...] = ()
+  enabled: bool = _option(
+      False, "use_collective_matmul",
+      "Rewrite the all-gather-then-matmul and matmul-then-reduce-scatter "
+      "patterns into collective matmuls. Off: `dot_general` is exactly "
+      "`lax.dot_general`.")
+  impl: Impl = _option(
+      Impl.AUTO, "collective_matmul_impl",
+      "`auto`: the Hopper kernel where it applies and pays off; else XLA's "
+      "collective + GEMM (NCCL + cuBLAS) on a Hopper GPU where the kernel "
+      "may not run (command buffers on, a ring across processes, the "
+      "reduce-scatter kernel off) or the problem is too small to overlap; "
+      "else (off Hopper) `fallback_impl`. `pallas`, `ring`, `baseline` force "
+      "one: the Hopper kernel, the portable ppermute ring, or XLA's "
+      "collective then one dot.")
+  strict: bool = _option(
+      False, "collective_matmul_strict",
+      "A fallback (a pattern found but not served as asked) raises "
+      "`ValueError` instead of being logged.")
+  fallback_impl: Impl = _option(
+      Impl.RING, "collective_matmul_fallback_impl",
+      "What `auto`, or an unavailable `pallas`, runs off Hopper: `ring` or "
+      "`baseline`.")
+  bidirectional: bool = _option(
+      True, "collective_matmul_bidirectional",
+      "The portable ring sends both ways round when the axis has more than "
+      "two devices, halving its sequential steps.")
+  save_gathered: bool = _option(
+      True, "collective_matmul_save_gathered",
+      "Keep the operand a collective matmul gathers (D x its memory, as "
+      "XLA's own autodiff of all-gather + dot keeps) for the weight "
+      "gradient; off: gather it again in the backward.")
+  reduce_scatter_kernel: bool = _option(
+      True, "collective_matmul_reduce_scatter_kernel",
+      "Let `auto` (and the backward of an all-gather kernel) use the Hopper "
+      "matmul-reduce-scatter kernel; off: XLA's matmul + reduce-scatter "
+      "there.")
+  group_siblings: bool = _option(
+      True, "collective_matmul_group_siblings",
+      "Projections of one activation given together (unfused q/k/v, "
+      "wi_0/wi_1) run as one collective matmul over their concatenated "
+      "weight columns, sending the activation once; off: one each.")
+  exclude: tuple[str, ...] = _option(
+      (), "collective_matmul_exclude",
+      "Call sites left to XLA whatever they match: names as the decision "
+      "record gives them (`decoder/logits_dense`) or shell-style patterns "
+      "(`*logits*`), comma-separated on the command line.")
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.type == "bool" and not isinstance(value, bool):
+        raise TypeError(f"{field.name}={value!r} must be True or False")
     if isinstance(self.exclude, str):
       raise TypeError(f"exclude={self.exclude!r} must be a sequence of "
                       "names or patterns, not one string")
@@ -74,6 +98,32 @@ class CollectiveMatmulConfig:
     object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
     object.__setattr__(self, "fallback_impl", Impl.parse(
         self.fallback_impl, "fallback_impl", FALLBACK_IMPLEMENTATIONS))
+
+
+def option_choices(field: dataclasses.Field) -> tuple[str, ...] | None:
+  """The values an enum option takes, or None."""
+  if field.name == "impl":
+    return IMPLEMENTATIONS
+  if field.name == "fallback_impl":
+    return FALLBACK_IMPLEMENTATIONS
+  return None
+
+
+def options_table() -> str:
+  """The options as a Markdown table (README's, checked by a test)."""
+  rows = ["| flag | `CollectiveMatmulConfig` field | default | what it does |",
+          "|---|---|---|---|"]
+  for field in dataclasses.fields(CollectiveMatmulConfig):
+    default = field.default
+    shown = (str(default).lower() if isinstance(default, bool) else
+             ",".join(default) if isinstance(default, tuple) else
+             str(default))
+    choices = option_choices(field)
+    if choices:
+      shown += f" ({' / '.join(choices)})"
+    rows.append(f"| `--{field.metadata['flag']}` | `{field.name}` | "
+                f"{shown or '(none)'} | {field.metadata['help']} |")
+  return "\n".join(rows)
 
 
 def excluded_by(cfg: CollectiveMatmulConfig, name: str | None) -> str | None:

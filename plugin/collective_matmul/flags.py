@@ -6,41 +6,27 @@ flags with no further call (`config.get_config`); `set_config` and
 """
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
 
 from collective_matmul import config as config_lib
 
-_USE = flags.DEFINE_bool(
-    "use_collective_matmul", False,
-    "Rewrite all-gather-then-matmul patterns into a collective matmul.")
-_IMPL = flags.DEFINE_enum(
-    "collective_matmul_impl", "auto", list(config_lib.IMPLEMENTATIONS),
-    "auto: the Hopper Pallas kernel where it applies, else the portable ring; "
-    "pallas / ring / baseline force one implementation.")
-_STRICT = flags.DEFINE_bool(
-    "collective_matmul_strict", False,
-    "Raise instead of falling back when a detected pattern cannot be served.")
 
-_SAVE_GATHERED = flags.DEFINE_bool(
-    "collective_matmul_save_gathered", True,
-    "Keep the gathered activations from the forward for the weight gradient "
-    "(D x their memory, as XLA's own autodiff of all-gather + dot keeps) "
-    "instead of all-gathering them again in the backward.")
-_RS_KERNEL = flags.DEFINE_bool(
-    "collective_matmul_reduce_scatter_kernel", True,
-    "Use the Hopper matmul-reduce-scatter kernel where it applies (auto, and "
-    "the backward of the all-gather kernel); off: XLA's instead.")
+def _define(field: dataclasses.Field):
+  """The absl flag of one configuration field, from its declaration."""
+  name, help_text = field.metadata["flag"], field.metadata["help"]
+  choices = config_lib.option_choices(field)
+  if choices:
+    return flags.DEFINE_enum(name, str(field.default), list(choices),
+                             help_text)
+  if field.type == "bool":
+    return flags.DEFINE_bool(name, field.default, help_text)
+  return flags.DEFINE_list(name, list(field.default), help_text)
 
-_GROUP_SIBLINGS = flags.DEFINE_bool(
-    "collective_matmul_group_siblings", True,
-    "Run projections of one activation (unfused q/k/v, wi_0/wi_1) as one "
-    "collective matmul over their concatenated weights; off: one each.")
 
-_EXCLUDE = flags.DEFINE_list(
-    "collective_matmul_exclude", [],
-    "Comma-separated names (as in the decision record, e.g. "
-    "decoder/logits_dense) or shell-style patterns (*logits*) of projections "
-    "to leave to XLA.")
+_FLAGS = {field.name: _define(field)
+          for field in dataclasses.fields(config_lib.CollectiveMatmulConfig)}
 
 
 def config_from_flags() -> config_lib.CollectiveMatmulConfig:
@@ -54,10 +40,7 @@ def config_from_flags() -> config_lib.CollectiveMatmulConfig:
         "absl flags are not parsed yet: call config_from_flags() after "
         "app.run() / FLAGS(argv), or build CollectiveMatmulConfig directly.")
   return config_lib.CollectiveMatmulConfig(
-      enabled=_USE.value, impl=_IMPL.value, strict=_STRICT.value,
-      save_gathered=_SAVE_GATHERED.value,
-      reduce_scatter_kernel=_RS_KERNEL.value,
-      group_siblings=_GROUP_SIBLINGS.value, exclude=tuple(_EXCLUDE.value))
+      **{name: flag.value for name, flag in _FLAGS.items()})
 
 
 def _config_if_parsed() -> config_lib.CollectiveMatmulConfig | None:

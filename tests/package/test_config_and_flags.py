@@ -188,3 +188,49 @@ def test_importing_the_package_does_not_import_pallas():
   result = subprocess.run([sys.executable, "-c", program],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _readme_options_table():
+  import pathlib
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  begin, end = "<!-- options:begin -->\n", "<!-- options:end -->"
+  assert begin in readme and end in readme, "README lost its options table"
+  return readme.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def test_readme_options_table_is_the_declared_one():
+  from collective_matmul import config as config_lib
+  assert _readme_options_table() == config_lib.options_table().strip(), (
+      "README's options table drifted from CollectiveMatmulConfig: paste "
+      "collective_matmul.config.options_table() between its markers")
+
+
+def test_every_option_has_a_flag_whose_help_is_its_declaration():
+  import dataclasses
+  from absl import flags
+  from collective_matmul import config as config_lib
+  for field in dataclasses.fields(config_lib.CollectiveMatmulConfig):
+    flag = flags.FLAGS[field.metadata["flag"]]
+    # absl prefixes an enum's help with its choices.
+    assert flag.help.endswith(field.metadata["help"]), field.name
+    assert flag.default == (list(field.default)
+                            if isinstance(field.default, tuple)
+                            else field.default), field.name
+
+
+def test_auto_is_described_as_it_decides():
+  """auto goes to XLA's collective + GEMM, not the ring, on Hopper when the
+  kernel may not run or does not pay: the help says so."""
+  import dataclasses
+  help_text = next(f.metadata["help"] for f in dataclasses.fields(
+      cm.CollectiveMatmulConfig) if f.name == "impl")
+  assert "NCCL + cuBLAS" in help_text and "too small" in help_text
+  assert "command buffers" in help_text and "across processes" in help_text
+
+
+@pytest.mark.parametrize("field,value", [
+    ("enabled", "false"), ("enabled", 1), ("strict", None),
+    ("save_gathered", "yes"), ("group_siblings", 0)])
+def test_a_boolean_option_takes_only_a_boolean(field, value):
+  with pytest.raises(TypeError, match=f"{field}=.* must be True or False"):
+    cm.CollectiveMatmulConfig(**{field: value})
