@@ -61,6 +61,59 @@ SUPPORTED_VALUES = {
     "matmul_precision": ("default", "high", "highest"),
 }
 SUPPORTED_MLP_ACTIVATIONS = (["silu", "linear"],)
+# Keys MaxText has that this host accepts (model files set them) but does not
+# implement: only the value that means "off" is accepted, any other is
+# refused like an unsupported feature rather than silently ignored.
+NOT_IMPLEMENTED_UNLESS = {
+    "enable_dropout": (False, "dropout"),
+    "dropout_rate": (0.0, "dropout"),
+}
+
+
+# Value checks, MaxText pyconfig style: one small named validator per rule,
+# each returning what the value must be when it is not (None when it is).
+def _greater_than(bound):
+  def greater_than(value):
+    return None if value > bound else f"must be > {bound}"
+  return greater_than
+
+
+def _at_least(bound):
+  def at_least(value):
+    return None if value >= bound else f"must be >= {bound}"
+  return at_least
+
+
+def _in_half_open(low, high):
+  def in_half_open(value):
+    return None if low <= value < high else f"must be in [{low}, {high})"
+  return in_half_open
+
+
+def _seed(value):
+  return (None if 0 <= value < 2**63
+          else "must be a seed in [0, 2**63)")
+
+
+VALUE_VALIDATORS = {
+    "learning_rate": _greater_than(0),
+    "adam_b1": _in_half_open(0, 1),
+    "adam_b2": _in_half_open(0, 1),
+    "adam_eps": _at_least(0),
+    "adam_weight_decay": _at_least(0),
+    "warmup_steps": _at_least(0),
+    "dropout_rate": _in_half_open(0, 1),
+    # 0 turns clipping off (the trainer reads it so); nan is refused as
+    # every non-finite float is, so it cannot turn clipping off by accident.
+    "gradient_clipping_threshold": _at_least(0),
+    "normalization_layer_epsilon": _greater_than(0),
+    "rope_min_timescale": _greater_than(0),
+    "rope_max_timescale": _greater_than(0),
+    "data_shuffle_seed": _seed,
+    "init_weights_seed": _seed,
+}
+# Bytes of each supported dtype (the memory estimate).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # MaxText 0.2.5's `mesh_axes`, in its order, plus 'sequence' where older
 # MaxText put it (its files still name it). The mesh has all of them; an axis
 # is size 1 unless its key in MESH_AXIS_KEYS sets it.
@@ -110,20 +163,34 @@ def default_model_dir(base_config_path: str) -> str:
 def _read_yaml(path: str, what: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     raise ConfigError(f"{what}: file not found: {path}")
-  with open(path) as f:
-    try:
-      data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-      where = getattr(e, "problem_mark", None)
-      line = f" at line {where.line + 1}, column {where.column + 1}" if where \
-          else ""
-      problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-      raise ConfigError(f"{what}: {path} is not valid YAML{line}: "
-                        f"{problem}") from None
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{what}: {path} is not a YAML text file (byte "
+                      f"{e.start} is not UTF-8 text)") from None
+  except OSError as e:
+    raise ConfigError(f"{what}: cannot read {path}: "
+                      f"{e.strerror or e}") from None
+  if "\0" in text:
+    raise ConfigError(f"{what}: {path} is not a YAML text file (it holds NUL "
+                      "bytes)")
+  try:
+    data = yaml.safe_load(text)
+  except yaml.YAMLError as e:
+    where = getattr(e, "problem_mark", None)
+    line = f" at line {where.line + 1}, column {where.column + 1}" if where \
+        else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"{what}: {path} is not valid YAML{line}: "
+                      f"{problem}") from None
   if data is None:
     return {}
   if not isinstance(data, dict):
     raise ConfigError(f"{what}: {path} must hold a mapping of keys to values")
+  odd = [key for key in data if not isinstance(key, str)]
+  if odd:
+    raise ConfigError(f"{what}: {path} has key {odd[0]!r}, not a name")
   return data
 
 
@@ -222,7 +289,8 @@ def merge_logical_axis_rules(rules: Sequence[Any], new_rules: Sequence[Any],
 
 
 def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str,
-           defaults: Mapping[str, Any]) -> None:
+           defaults: Mapping[str, Any],
+           sources: dict[str, str] | None = None) -> None:
   unknown = sorted(k for k in updates if _canonical_key(k) not in defaults)
   if unknown:
     hints = []
@@ -246,6 +314,8 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str,
                          False, source)
       value = merge_logical_axis_rules(values[key], value, override=override)
     values[key] = value
+    if sources is not None:
+      sources[key] = source
 
 
 def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
@@ -334,16 +404,76 @@ class Config:
         self.base_output_directory, self.run_name, "checkpoints"))
 
 
-def _validate_values(values: Mapping[str, Any]) -> None:
+def _check_value_ranges(values: Mapping[str, Any],
+                        sources: Mapping[str, str]) -> None:
+  """Every float finite, each VALUE_VALIDATORS key in its range, and each
+  NOT_IMPLEMENTED_UNLESS key at its "off" value; errors name the key and
+  where its value came from."""
+  for key, value in values.items():
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{key}={value!r} (from {_source(key, sources)}) "
+                        "must be a finite number")
+  for key, validate in VALUE_VALIDATORS.items():
+    problem = validate(values[key])
+    if problem:
+      raise ConfigError(f"{key}={values[key]!r} (from "
+                        f"{_source(key, sources)}) {problem}")
+  for key, (required, feature) in NOT_IMPLEMENTED_UNLESS.items():
+    if values[key] != required:
+      raise ConfigError(
+          f"{key}={values[key]!r} (from {_source(key, sources)}): the "
+          f"reference host does not implement {feature}; only {key}="
+          f"{required!r} is accepted")
+
+
+def _source(key: str, sources: Mapping[str, str]) -> str:
+  return sources.get(key, "the config")
+
+
+def check_run_name(run_name: str, source: str = "the config") -> None:
+  """`run_name` names a directory under base_output_directory: a single
+  name, never a path (no '/', no '..', not absolute)."""
+  separators = {"/", os.sep, os.altsep or "/"}
+  if (any(sep in run_name for sep in separators) or run_name in (".", "..")
+      or os.path.isabs(run_name) or "\0" in run_name):
+    raise ConfigError(
+        f"run_name={run_name!r} (from {source}) must be a name, not a path "
+        "(no '/', '..' or absolute path): the run's directory is "
+        "<base_output_directory>/<run_name>; set base_output_directory to "
+        "choose where runs go")
+
+
+def _check_model_name(model_name: Any, source: str, model_dir: str) -> None:
+  """`model_name` names a model file in `model_dir`, never a path."""
+  if not isinstance(model_name, str) or not model_name:
+    raise ConfigError(f"model_name={model_name!r} (from {source}) must be "
+                      "the name of a model file")
+  separators = {"/", os.sep, os.altsep or "/"}
+  if (any(sep in model_name for sep in separators)
+      or model_name in (".", "..") or os.path.isabs(model_name)
+      or "\0" in model_name):
+    raise ConfigError(
+        f"model_name={model_name!r} (from {source}) must name a model file "
+        f"in {model_dir} (e.g. model_name=tiny), not a path; for a model file "
+        "elsewhere, pass a base config next to it as the first argument "
+        "(model files are looked up next to the base file)")
+
+
+def _validate_values(values: Mapping[str, Any],
+                     sources: Mapping[str, str] | None = None) -> None:
+  sources = sources or {}
+  _check_value_ranges(values, sources)
+  check_run_name(values["run_name"], _source("run_name", sources))
   for key, allowed in SUPPORTED_VALUES.items():
     if values[key] not in allowed:
       raise ConfigError(
-          f"{key}={values[key]!r} is not supported; expected one of {allowed}")
+          f"{key}={values[key]!r} (from {_source(key, sources)}) is not "
+          f"supported; expected one of {allowed}")
   for key, required in UNSUPPORTED_UNLESS.items():
     if values[key] != required:
       raise ConfigError(
-          f"{key}={values[key]!r} is not supported by this llama-style host "
-          f"(only {required!r})")
+          f"{key}={values[key]!r} (from {_source(key, sources)}) is not "
+          f"supported by this llama-style host (only {required!r})")
   if values["mlp_activations"] not in SUPPORTED_MLP_ACTIVATIONS:
     raise ConfigError(
         f"mlp_activations={values['mlp_activations']!r} is not supported; "
@@ -356,7 +486,8 @@ def _validate_values(values: Mapping[str, Any]) -> None:
               "vocab_size", "max_target_length", "steps", "log_period",
               "checkpoint_period", "max_num_checkpoints_to_keep"):
     if values[key] <= 0:
-      raise ConfigError(f"{key}={values[key]} must be positive")
+      raise ConfigError(f"{key}={values[key]} (from {_source(key, sources)}) "
+                        "must be positive")
   if values["per_device_batch_size"] <= 0:
     raise ConfigError(
         f"per_device_batch_size={values['per_device_batch_size']} must be "
@@ -499,6 +630,43 @@ def resolve_for_devices(config: Config, num_devices: int) -> Config:
                         global_batch_size=global_batch)
 
 
+def estimate_memory_bytes(config: Config, num_params: int) -> dict[str, int]:
+  """A lower bound of the memory one train step of `config` (resolved for
+  its devices) holds over all of them, in bytes: 'state' (parameters,
+  gradients and Adam's two moments, each `num_params` x weight_dtype),
+  'activations' (each layer's input and normed input per token, and the
+  float32 logits and their gradient) and 'total'."""
+  state = 4 * num_params * DTYPE_BYTES[config.weight_dtype]
+  tokens = config.global_batch_size * config.max_target_length
+  activations = tokens * (
+      2 * config.num_decoder_layers * config.emb_dim
+      * DTYPE_BYTES[config.dtype] + 2 * config.vocab_size * 4)
+  return {"state": state, "activations": activations,
+          "total": state + activations}
+
+
+def check_fits_memory(config: Config, num_params: int, available_bytes: int,
+                      where: str) -> None:
+  """Refuses, in one line, a model whose memory estimate (a lower bound,
+  `estimate_memory_bytes`) exceeds `available_bytes`, the memory of `where`
+  (e.g. "8 cpu devices sharing 23.4 GiB of host memory")."""
+  estimate = estimate_memory_bytes(config, num_params)
+  if estimate["total"] <= available_bytes:
+    return
+  gib = lambda n: f"{n / 2**30:,.1f} GiB"  # pylint: disable=unnecessary-lambda-assignment
+  raise ConfigError(
+      f"the model does not fit: it needs at least {gib(estimate['total'])} "
+      f"({num_params:,} parameters x {DTYPE_BYTES[config.weight_dtype]} bytes"
+      f" x 4 for parameters, gradients and Adam's moments = "
+      f"{gib(estimate['state'])}, plus {gib(estimate['activations'])} of "
+      f"activations), more than {where}; base_emb_dim="
+      f"{config.base_emb_dim}, base_mlp_dim={config.base_mlp_dim}, "
+      f"base_num_decoder_layers={config.base_num_decoder_layers}, "
+      f"vocab_size={config.vocab_size}, global batch "
+      f"{config.global_batch_size} x max_target_length="
+      f"{config.max_target_length}")
+
+
 def load_config(argv: Sequence[str], *, model_dir: str | None = None,
                 num_devices: int | None = None) -> Config:
   """Loads `argv = [base.yml, key=value, ...]` MaxText-style.
@@ -524,6 +692,7 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
   if "logical_axis_rules" in defaults:
     check_logical_axis_rules(defaults["logical_axis_rules"], base_path)
   values = dict(defaults)
+  sources = {key: base_path for key in defaults}
   overrides = parse_overrides(override_args)
 
   # The model file applies before command-line overrides, so `model_name`
@@ -531,6 +700,8 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
   model_name = overrides.get("model_name", values.get("model_name", "default"))
   if model_name != "default":
     model_dir = model_dir or default_model_dir(base_path)
+    _check_model_name(model_name, "command-line overrides"
+                      if "model_name" in overrides else base_path, model_dir)
     model_path = os.path.join(model_dir, f"{model_name}.yml")
     if not os.path.isfile(model_path):
       available = sorted(
@@ -540,12 +711,12 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
           f"model_name={model_name!r}: no model file {model_path} "
           f"(available: {', '.join(available)})")
     _apply(values, _read_yaml(model_path, f"model_name={model_name}"),
-           model_path, defaults)
-  _apply(values, overrides, "command-line overrides", defaults)
+           model_path, defaults, sources)
+  _apply(values, overrides, "command-line overrides", defaults, sources)
   if num_devices is not None:  # Mesh errors before what they cause.
     _check_mesh_keys(values)
     _mesh_sizes_for_devices(values, num_devices)
-  _validate_values(values)
+  _validate_values(values, sources)
   config = Config(values)
   if num_devices is not None:
     config = resolve_for_devices(config, num_devices)
