@@ -12,6 +12,8 @@ import threading
 import fnmatch
 from typing import Callable, Iterator
 
+import jax
+
 from collective_matmul.enums import Impl
 
 IMPLEMENTATIONS = tuple(impl.value for impl in Impl)
@@ -135,6 +137,11 @@ def excluded_by(cfg: CollectiveMatmulConfig, name: str | None) -> str | None:
 
 _state = threading.local()
 _OFF = CollectiveMatmulConfig()
+# The active configuration as a JAX user context: JAX puts its value in the
+# keys of its jit and trace caches (including those of scan, cond, while and
+# checkpoint bodies, which are cached by the Python function), so a body
+# traced under one configuration is never reused under another.
+_TRACE_KEY = jax.make_user_context(None)
 _default: CollectiveMatmulConfig | None = None  # None: not set in code.
 # Set by `flags`: the parsed absl flags' configuration, or None while absl
 # has not parsed them. Kept as a hook so this module does not import absl.
@@ -154,7 +161,12 @@ def get_config() -> CollectiveMatmulConfig:
     return stack[-1]
   if _default is not None:
     return _default
-  return _from_parsed_flags() or _OFF
+  config = _from_parsed_flags() or _OFF
+  if _TRACE_KEY.get_global() != config:
+    # The flags were parsed since the key was last set: traces from now on
+    # are keyed by what they say.
+    _TRACE_KEY.set_global(config)
+  return config
 
 
 def set_config(config: CollectiveMatmulConfig | None) -> None:
@@ -166,6 +178,7 @@ def set_config(config: CollectiveMatmulConfig | None) -> None:
   if config is not None and not isinstance(config, CollectiveMatmulConfig):
     raise TypeError(f"expected CollectiveMatmulConfig, got {type(config)}")
   _default = config
+  _TRACE_KEY.set_global(config)
 
 
 @contextlib.contextmanager
@@ -178,6 +191,7 @@ def config_context(config: CollectiveMatmulConfig | None = None,
     stack = _state.stack = []
   stack.append(config)
   try:
-    yield config
+    with _TRACE_KEY(config):
+      yield config
   finally:
     stack.pop()
