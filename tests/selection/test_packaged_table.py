@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from collective_matmul import selection
+from collective_matmul.enums import Collective
 from collective_matmul.kernels import configs
+from collective_matmul.selection import tuned as tuned_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -44,7 +46,23 @@ def warnings(monkeypatch):
 
 def _with_table(monkeypatch, table):
   """Makes `table` ({cache key: config}) the packaged table."""
-  monkeypatch.setattr(selection, "packaged_table", lambda: table)
+  monkeypatch.setattr(tuned_lib, "packaged_table", lambda: table)
+
+
+# The lookups below are for a Hopper GPU (the table's and the cache's keys
+# carry its device kind), decided on this CPU.
+H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
+KIND = H200.device_kind
+
+
+def _source(problem, pattern="all_gather", out_dtype=None, device=H200):
+  """Where `pattern`'s kernel config for `problem` (m, k, n, dtype, D)
+  comes from on `device`."""
+  m, k, n, dtype, axis_size = problem
+  return selection.config_for(
+      Collective(pattern),
+      selection.Problem(m, k, n, np.dtype(dtype), axis_size, out_dtype),
+      device)[1]
 
 
 # ------------------------------------------------------------- the file
@@ -132,65 +150,74 @@ def test_cache_beats_table_beats_heuristic(monkeypatch, pattern):
   select = {"all_gather": selection.select_config,
             "reduce_scatter": selection.select_reduce_scatter_config}[pattern]
   problem = (1024, 4096, 4096, "bfloat16", 2)
-  heuristic = select(*problem)
-  assert selection.config_source(*problem, pattern=pattern) == "heuristic"
+  _with_table(monkeypatch, {})  # The shipped table has H200 entries.
+  heuristic = select(*problem, H200)
+  assert _source(problem, pattern) == selection.HEURISTIC == "heuristic"
   measured = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 5)
   tuned = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 7)
-  key = selection.cache_key(*problem, pattern=pattern)  # Local device kind.
+  key = selection.cache_key(*problem, KIND, pattern=pattern)
   _with_table(monkeypatch, {key: measured})
-  assert select(*problem) == measured
-  assert selection.config_source(*problem, pattern=pattern) == "packaged table"
-  # Another problem, or the other kernel's, is not served by that entry.
-  assert select(1024, 4096, 4096, "bfloat16", 4) != measured
+  assert select(*problem, H200) == measured
+  assert _source(problem, pattern) == selection.PACKAGED_TABLE == (
+      "packaged table")
+  # Another problem, the other kernel's, or another device kind is not
+  # served by that entry.
+  assert select(1024, 4096, 4096, "bfloat16", 4, H200) != measured
   other_kernel = ("reduce_scatter" if pattern == "all_gather"
                   else "all_gather")
-  assert selection.config_source(*problem, pattern=other_kernel) == "heuristic"
-  selection.store_cached_config(tuned, *problem[:5], pattern=pattern)
-  assert select(*problem) == tuned
-  assert selection.config_source(*problem, pattern=pattern) == "autotune cache"
+  assert _source(problem, other_kernel) == "heuristic"
+  assert _source(problem, pattern, device=selection.device_facts()) == (
+      "heuristic")  # This CPU.
+  selection.store_cached_config(tuned, *problem[:5], KIND, pattern=pattern)
+  assert select(*problem, H200) == tuned
+  assert _source(problem, pattern) == selection.AUTOTUNE_CACHE == (
+      "autotune cache")
 
 
 def test_a_table_entry_that_does_not_fit_falls_through(monkeypatch):
   problem = (1024, 4096, 4096, "bfloat16", 2)
-  heuristic = selection.select_config(*problem)
+  heuristic = selection.select_config(*problem, H200)
   # 8 stages of 256 x 256 CTA tiles with k 128: 1 MiB of pipeline.
   huge = configs.AllGatherConfig(tile_m=128, tile_n=256, tile_k=128,
                                  wg_dimension="m", max_concurrent_steps=8)
   assert selection.fit_shared_memory(huge, "bfloat16") is None
-  _with_table(monkeypatch, {selection.cache_key(*problem): huge})
-  assert selection.select_config(*problem) == heuristic
-  assert selection.config_source(*problem) == "heuristic"
+  _with_table(monkeypatch, {selection.cache_key(*problem, KIND): huge})
+  assert selection.select_config(*problem, H200) == heuristic
+  assert _source(problem) == "heuristic"
 
 
 def test_a_fitting_table_entry_loses_stages_for_a_float32_output(monkeypatch):
   problem = (1024, 4096, 4096, "bfloat16", 2)
-  key = selection.cache_key(*problem, pattern="reduce_scatter")
-  entry = selection.select_reduce_scatter_config(*problem)
+  key = selection.cache_key(*problem, KIND, pattern="reduce_scatter")
+  _with_table(monkeypatch, {})
+  entry = selection.select_reduce_scatter_config(*problem, H200)
   _with_table(monkeypatch, {key: entry})
-  assert selection.select_reduce_scatter_config(*problem) == entry
+  assert selection.select_reduce_scatter_config(*problem, H200) == entry
   assert selection.select_reduce_scatter_config(
-      *problem, out_dtype=np.float32) == selection.fit_shared_memory(
+      *problem, H200, out_dtype=np.float32) == selection.fit_shared_memory(
           entry, "bfloat16", np.float32)
+  assert _source(problem, "reduce_scatter", np.float32) == "packaged table"
 
 
 def test_the_table_is_read_in_a_multi_process_program_and_the_cache_not(
     monkeypatch):
   problem = (1024, 4096, 4096, "bfloat16", 2)
-  heuristic = selection.select_config(*problem)
+  heuristic = selection.select_config(*problem, H200)
   measured = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 5)
   tuned = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 7)
   other = (2048, 4096, 4096, "bfloat16", 2)
-  heuristic_other = selection.select_config(*other)
-  selection.store_cached_config(tuned, *problem)
+  heuristic_other = selection.select_config(*other, H200)
+  selection.store_cached_config(tuned, *problem, KIND)
   selection.store_cached_config(
-      dataclasses.replace(heuristic_other, send_gap=1), *other)
-  _with_table(monkeypatch, {selection.cache_key(*problem): measured})
-  assert selection.select_config(*problem) == tuned  # One process: cache.
+      dataclasses.replace(heuristic_other, send_gap=1), *other, KIND)
+  _with_table(monkeypatch, {selection.cache_key(*problem, KIND): measured})
+  # One process: cache.
+  assert selection.select_config(*problem, H200) == tuned
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert selection.select_config(*problem) == measured
-  assert selection.config_source(*problem) == "packaged table"
-  assert selection.select_config(*other) == heuristic_other
-  assert selection.config_source(*other) == "heuristic"
+  assert selection.select_config(*problem, H200) == measured
+  assert _source(problem) == "packaged table"
+  assert selection.select_config(*other, H200) == heuristic_other
+  assert _source(other) == "heuristic"
 
 
 def test_the_shipped_table_serves_its_device(monkeypatch):
@@ -201,10 +228,12 @@ def test_the_shipped_table_serves_its_device(monkeypatch):
   _, kind, dtype, d, shape = entry["key"].split("|")
   m, k, n = map(int, shape.split("x"))
   problem = (m, k, n, dtype, int(d.removeprefix("D=")))
-  assert selection.config_source(*problem, pattern="reduce_scatter") == \
-      "heuristic"  # On this CPU.
-  monkeypatch.setattr(selection, "_local_device_kind", lambda: kind)
-  assert selection.config_source(*problem, pattern="reduce_scatter") == \
-      "packaged table"
-  assert selection.select_reduce_scatter_config(*problem) == \
+  assert _source(problem, "reduce_scatter",
+                 device=selection.device_facts()) == "heuristic"  # This CPU.
+  # The mesh's device kind, whatever the local device is (the table was
+  # once looked up by the local device's kind).
+  device = selection.DeviceFacts("gpu", kind, 132)
+  assert _source(problem, "reduce_scatter", device=device) == (
+      "packaged table")
+  assert selection.select_reduce_scatter_config(*problem, device) == \
       configs.ReduceScatterConfig(**entry["config"])

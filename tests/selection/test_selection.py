@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 
 from collective_matmul import selection
+from collective_matmul.enums import Collective
 from collective_matmul.kernels import configs
 from collective_matmul.kernels import schedule
+from collective_matmul.selection import heuristics
 
 Config = configs.AllGatherConfig
+# A Hopper GPU with the 132 SMs the rules below were measured on (the
+# cache and table are keyed by its device kind).
+H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +51,8 @@ def test_select_config_fits_shared_memory_for_float32_output():
     for dtype in ("bfloat16", "float16"):
       for axis_size in (1, 2, 8):
         applies = selection.unsupported_reason(
-            platform="gpu", device_kind="NVIDIA H100", dtype=dtype, m=m, k=k,
-            n=n, axis_size=axis_size, out_dtype="float32") is None
+            selection.DeviceFacts("gpu", "NVIDIA H100", 132), dtype, m, k, n,
+            axis_size, out_dtype="float32") is None
         assert applies
         config = selection.select_config(m, k, n, dtype, axis_size,
                                       out_dtype="float32")
@@ -62,17 +67,17 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
     for dtype in ("bfloat16", "float16"):
       # The all-gather's heuristic tiles, unless all ring steps' tiles run
       # in one wave and 128-row tiles fill more SMs per step.
-      base = selection._heuristic_config(m, k, n, dtype, 2, 132, out_dtype)
+      base = heuristics._tiles(m, k, n, dtype, 2, 132, out_dtype)  # pylint: disable=protected-access
       config = selection.select_reduce_scatter_config(m, k, n, dtype, 2,
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
       assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
       if (config.tile_m, config.tile_n, config.wg_dimension) != (
           base.tile_m, base.tile_n, base.wg_dimension):
-        assert 2 * selection._tiles_per_step(base, m, n) <= 132
+        assert 2 * selection.tiles_per_step(base, m, n) <= 132
         assert config.cta_tile_m >= 128
-        assert (selection._tiles_per_step(config, m, n)
-                > selection._tiles_per_step(base, m, n))
+        assert (selection.tiles_per_step(config, m, n)
+                > selection.tiles_per_step(base, m, n))
       if config != configs.ReduceScatterConfig(**base.tile_fields()):
         # Whole warpgroup tile in the two slots, >= 3 stages left.
         assert 2 * config.epi_tile_m * config.epi_tile_n == (
@@ -116,13 +121,19 @@ OK = dict(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
           dtype="bfloat16", m=1024, k=1024, n=1024, axis_size=8)
 
 
+def _unsupported_reason(platform, device_kind, out_dtype=None, **problem):
+  return selection.unsupported_reason(
+      selection.DeviceFacts(platform, device_kind, 132), **problem,
+      out_dtype=out_dtype)
+
+
 @pytest.mark.parametrize("changes", [
     {}, {"device_kind": "NVIDIA H200"}, {"platform": "cuda"},
     {"dtype": "float16"}, {"out_dtype": "float32"},
     {"out_dtype": "bfloat16"}, {"axis_size": 1},
 ], ids=str)
 def test_unsupported_reason_none_on_hopper(changes):
-  assert selection.unsupported_reason(**{**OK, **changes}) is None
+  assert _unsupported_reason(**{**OK, **changes}) is None
 
 
 @pytest.mark.parametrize("changes,offender", [
@@ -137,7 +148,7 @@ def test_unsupported_reason_none_on_hopper(changes):
     ({"axis_size": 0}, "axis size 0"),
 ], ids=str)
 def test_unsupported_reason_names_the_offender(changes, offender):
-  reason = selection.unsupported_reason(**{**OK, **changes})
+  reason = _unsupported_reason(**{**OK, **changes})
   assert reason is not None and offender in reason
 
 
@@ -174,31 +185,37 @@ def test_cache_keeps_earlier_entries(_private_cache):
 
 def test_select_config_prefers_cached_entry():
   m, k, n = 512, 1024, 2048
-  heuristic = selection.select_config(m, k, n, "bfloat16", 4)
-  heuristic_d2 = selection.select_config(m, k, n, "bfloat16", 2)
+  heuristic = selection.select_config(m, k, n, "bfloat16", 4, H200)
+  heuristic_d2 = selection.select_config(m, k, n, "bfloat16", 2, H200)
   tuned = dataclasses.replace(
       heuristic, send_gap=heuristic.send_gap + 3,
       max_concurrent_steps=heuristic.max_concurrent_steps - 1)
-  selection.store_cached_config(tuned, m, k, n, "bfloat16", 4)  # Local kind.
-  assert selection.select_config(m, k, n, "bfloat16", 4) == tuned
-  assert selection.select_config(m, k, n, "bfloat16", 2) == heuristic_d2
+  selection.store_cached_config(tuned, m, k, n, "bfloat16", 4,
+                                H200.device_kind)
+  assert selection.select_config(m, k, n, "bfloat16", 4, H200) == tuned
+  assert selection.select_config(m, k, n, "bfloat16", 2, H200) == heuristic_d2
+  # Keyed by the device kind: another device's selection does not take it.
+  other = dataclasses.replace(H200, device_kind="NVIDIA H100")
+  assert selection.select_config(m, k, n, "bfloat16", 4, other) == heuristic
 
 
 def test_cache_entries_of_the_two_kernels_never_mix(_private_cache):
   m, k, n = 1024, 4096, 4096
-  heuristic_rs = selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2)
+  kind = H200.device_kind
+  heuristic_rs = selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2,
+                                                        H200)
   tuned_ag = Config(tile_m=64, tile_n=64, send_gap=8)
-  selection.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2)
-  assert selection.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+  selection.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2, kind)
+  assert selection.select_config(m, k, n, "bfloat16", 2, H200) == tuned_ag
   # The all-gather kernel's entry is not the reduce-scatter kernel's.
   assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
-                                             2) == heuristic_rs
+                                                2, H200) == heuristic_rs
   tuned_rs = dataclasses.replace(heuristic_rs, send_gap=16)
-  selection.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2,
-                             pattern="reduce_scatter")
+  selection.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2, kind,
+                                pattern="reduce_scatter")
   assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
-                                             2) == tuned_rs
-  assert selection.select_config(m, k, n, "bfloat16", 2) == tuned_ag
+                                                2, H200) == tuned_rs
+  assert selection.select_config(m, k, n, "bfloat16", 2, H200) == tuned_ag
   with pytest.raises(ValueError, match="pattern"):
     selection.cache_key(m, k, n, "bfloat16", 2, "H100", pattern="matmul")
 
@@ -252,7 +269,10 @@ def test_all_gather_candidates_for_a_shape_start_with_its_default(shape):
   grid = list(autotuning.candidate_configs("all_gather"))
   candidates = list(autotuning.candidate_configs("all_gather", *shape,
                                                  dtype="bfloat16"))
-  default = selection.default_config(*shape, "bfloat16", 2)
+  default = selection.heuristic_config(
+      Collective.ALL_GATHER,
+      selection.Problem(*shape, np.dtype(jnp.bfloat16), 2),
+      selection.device_facts())
   assert candidates[0] == default
   assert len(set(candidates)) == len(candidates)
   assert set(candidates) == set(grid) | {default}
@@ -399,7 +419,7 @@ def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   assert config.sender_sms == senders
   assert (config.cta_tile_m, config.cta_tile_n) == cta
   # K-major where a ring step is one wave; by rows over several waves.
-  one_wave = selection._tiles_per_step(config, m, n) <= 132 - senders
+  one_wave = selection.tiles_per_step(config, m, n) <= 132 - senders
   assert config.k_major_sends == (senders > 0 and one_wave)
 
 
@@ -450,6 +470,16 @@ def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
     assert k_iters % config.max_concurrent_steps == 0
 
 
+def _too_small_reason(collective, m, k, n, d, dtype="bfloat16",
+                      device=None):
+  """`too_small_reason` for `collective`'s kernel with the config it would
+  run on `device` (default: the default backend's, 132 SMs on CPU)."""
+  device = device or selection.device_facts()
+  problem = selection.Problem(m, k, n, np.dtype(jnp.dtype(dtype)), d)
+  config, _ = selection.config_for(collective, problem, device)
+  return selection.too_small_reason(config, m, k, n, d, device.num_cores)
+
+
 @pytest.mark.parametrize("m,k,n", [
     (512, 4096, 4096), (256, 4096, 4096), (128, 4096, 2048),
     (128, 2048, 4096), (256, 8192, 4096), (384, 5504, 4096),
@@ -457,7 +487,8 @@ def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
 def test_small_problems_are_overlapped_where_measured_faster(m, k, n):
   # D = 2, inside the measured boxes (runs 27-29: both kernels faster than
   # NCCL + cuBLAS at every shape there, or level).
-  assert selection.too_small_reason(m, k, n, "bfloat16", 2) is None
+  for collective in Collective:
+    assert _too_small_reason(collective, m, k, n, 2) is None, collective
 
 
 @pytest.mark.parametrize("m,k,n,d", [
@@ -468,9 +499,10 @@ def test_small_problems_are_overlapped_where_measured_faster(m, k, n):
     (512, 4096, 4096, 4),    # D = 4: no senders, not measured.
 ])
 def test_small_problems_outside_the_measured_boxes_stay_with_xla(m, k, n, d):
-  reason = selection.too_small_reason(m, k, n, "bfloat16", d)
-  assert "output tiles per ring step" in reason
-  assert ("measured faster from 128 rows" in reason) == (d == 2)
+  for collective in Collective:
+    reason = _too_small_reason(collective, m, k, n, d)
+    assert "output tiles per ring step" in reason
+    assert ("measured faster from 128 rows" in reason) == (d == 2)
 
 
 def test_every_shape_of_the_small_problem_sweep_is_decided_as_measured():
@@ -487,11 +519,13 @@ def test_every_shape_of_the_small_problem_sweep_is_decided_as_measured():
       rows = json.load(f)["rows"]
     for row in rows:
       m, k, n = map(int, row["shape"].split("/"))
-      if selection.too_small_reason(m, k, n, "bfloat16", 2) is not None:
+      rs = row.get("pattern") == "reduce_scatter"
+      collective = (Collective.REDUCE_SCATTER if rs
+                    else Collective.ALL_GATHER)
+      if _too_small_reason(collective, m, k, n, 2) is not None:
         continue
       # The time of the config the selection picks today (a recorded
       # config lacks the fields added since: their defaults).
-      rs = row.get("pattern") == "reduce_scatter"
       pick = (selection.select_reduce_scatter_config if rs
               else selection.select_config)(m, k, n, "bfloat16", 2)
       cls = configs.ReduceScatterConfig if rs else configs.AllGatherConfig
@@ -506,8 +540,9 @@ def test_every_shape_of_the_small_problem_sweep_is_decided_as_measured():
 
 def test_the_small_problem_box_is_where_the_tiles_do_not_fill_the_sms():
   # Large enough problems are overlapped whatever the box says.
-  assert selection.too_small_reason(64, 4096, 16384, "bfloat16", 2) is None
-  assert selection.too_small_reason(4096, 1024, 1024, "bfloat16", 4) is None
+  for collective in Collective:
+    assert _too_small_reason(collective, 64, 4096, 16384, 2) is None
+    assert _too_small_reason(collective, 4096, 1024, 1024, 4) is None
 
 
 @pytest.mark.parametrize("m,k,n,d,tiles,pacing", [
