@@ -33,8 +33,8 @@ PATTERNS = selection.CACHE_PATTERNS
 # What a candidate that does not fit in shared memory raises (all
 # ValueError): Mosaic GPU's launch check (jax/experimental/mosaic/gpu/
 # core.py), its allocator (dialect_lowering.py), and the kernels' own check
-# before tracing (kernels/common.py: check_shared_memory). JAX's own sweep
-# (pallas/ops/gpu/hopper_matmul_mgpu.py) skips the first the same way.
+# before tracing (kernels/ring_skeleton.py: check_shared_memory). JAX's own
+# sweep (pallas/ops/gpu/hopper_matmul_mgpu.py) skips the first the same way.
 SHARED_MEMORY_ERRORS = ("exceeds available shared memory",
                         "Ran out of shared memory",
                         "bytes of shared memory, more than the")
@@ -63,7 +63,7 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
   pieces x send gap; the pacing that wins depends on how many waves a ring
-  step takes, benchmarks/RESULTS.md), and the whole-tile configs unpaced.
+  step takes), and the whole-tile configs unpaced.
   """
   pattern = Collective.parse(pattern, "pattern")
   if pattern == Collective.ALL_GATHER:
@@ -113,7 +113,7 @@ def _all_gather_candidates(m, k, n, dtype, axis_size):
 
 
 def kernel_time_us(f, *args, iterations: int = 10):
-  """CUPTI kernel time of `f(*args)` in microseconds, as the seed reports it.
+  """CUPTI kernel time of `f(*args)` in microseconds, as the upstream example reports it.
 
   For each kernel name the minimum over devices (a device that waited for
   its peer does not count its wait), summed over names; the median over
@@ -178,9 +178,8 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
     rounds, finalists: with rounds > 1, the `finalists` fastest candidates
       of the sweep are timed `rounds - 1` more times, round-robin, and the
       winner is the best median over all its rounds. One reading each
-      cannot rank configs a few percent apart: on 2 x H200 a kernel's time
-      drifted 2 % (1 ms kernels) to 15 % (10 ms) between readings
-      (benchmarks/kernel_lead/, runs 10-11).
+      cannot rank configs a few percent apart: a kernel's time drifts
+      between readings by more than that (docs/TUNING.md, "Autotuning").
 
   Returns:
     (best config, {config repr: microseconds}); a finalist's time is its

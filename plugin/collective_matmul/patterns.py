@@ -5,7 +5,7 @@ axis sizes, so every process reaches the same answer (a ring in which one
 device took another path would hang) and every case is unit-testable
 without devices.
 
-The all-gather pattern (the seed's): lhs has a non-contracting dimension
+The all-gather pattern: lhs has a non-contracting dimension
 sharded over mesh axis A, rhs has a non-contracting (output-feature)
 dimension sharded over the same A, and no contracting dimension is sharded.
 XLA would all-gather lhs over A before the matmul; we overlap the two.

@@ -54,7 +54,7 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
   """`all_gather(x) @ w` as a ring that multiplies while it passes shards on.
 
   Step i on device d multiplies shard (d + i) % D, which it received from
-  device d + 1, while sending it on to device d - 1 (the seed's ring). With
+  device d + 1, while sending it on to device d - 1 (the upstream example's ring). With
   `bidirectional` and D > 2 shards travel both ways round, so only
   ceil((D - 1) / 2) communication steps are sequential instead of D - 1.
 

@@ -5,7 +5,8 @@ inside `shard_map`. A ring: at step s device d multiplies shard (d + s) % D
 by its rhs columns while forwarding that shard to device d - 1, straight
 from the shared memory the matmul pipeline loaded it into (TMA copies to the
 peer's scratch buffer), with a semaphore per (step, row block) announcing
-arrival. Compared with the seed's design:
+arrival. Compared with the upstream example's design
+(`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu`):
 
 * one persistent loop over the tiles of all D steps: no barrier of all
   threads, no wait for every SM's signal and no tail wave between steps;
@@ -32,16 +33,20 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from collective_matmul.kernels import common
+from collective_matmul.kernels import configs
+from collective_matmul.kernels import diagnostics
+from collective_matmul.kernels import pipeline
+from collective_matmul.kernels import ring_skeleton
 from collective_matmul.kernels import schedule
+from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import AllGatherConfig
 
 
 def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                  axis_size, config: AllGatherConfig, m_shard, k, n,
                  rows_per_batch, diagnostic_loopback):
-  """The shared skeleton (`common.ring_tile_loop`) with the all-gather's
-  hooks. Who forwards the shard to the next device:
+  """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
+  all-gather's hooks. Who forwards the shard to the next device:
 
   * the tiles (no `config.sender_sms`): every n-tile of a row block sends a
     slice of its k blocks from its pipeline, and a later step's tile waits
@@ -52,7 +57,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   """
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
-  grid = common.tile_grid(config, axis_size, m_shard, k, n)
+  grid = ring_skeleton.tile_grid(config, axis_size, m_shard, k, n)
   k_iters = grid.k_iters
   ring = axis_size > 1
   sender_sms = config.sender_sms if ring else 0
@@ -70,10 +75,10 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   eager = config.eager_release or not tiles_send
 
   if ring:
-    dev, send_to = common.ring_neighbours(axis_name, axis_size)
+    dev, send_to = ring_skeleton.ring_neighbours(axis_name, axis_size)
     if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
-    peer = common.peer_id(axis_name, send_to)
+    peer = ring_skeleton.peer_id(axis_name, send_to)
     peer_scratch = plgpu.remote_ref(scratch_ref, peer)
     # arrived[s, u]: the tiles (senders) whose part of unit u for step
     # s + 1 landed; a unit is a row block, or with k-major senders a k
@@ -96,7 +101,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     first (at its send steps), the others in order."""
     return schedule.k_block(kk, n_idx, k_iters, per_sender, send_gap)
 
-  def begin_tile(tile: common.Tile) -> common.TileHooks:
+  def begin_tile(tile: ring_skeleton.Tile) -> ring_skeleton.TileHooks:
     step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
     first_row = m_idx * cta_tile_m  # Of the tile, in its source shard.
 
@@ -114,7 +119,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
           matmul(scratch_ref.at[step - 1], first_row)
 
     if not ring:
-      return common.TileHooks(run=run)
+      return ring_skeleton.TileHooks(run=run)
     k_major = sender_sms and plan.k_major
 
     def wait_row_block():
@@ -122,7 +127,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       row block has landed."""
       if not k_major:
         signals = plan.unit_signals(m_idx) if sender_sms else num_senders
-        with common.phase("wait_arrival"):
+        with tracing.phase("wait_arrival"):
           pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
                             decrement=False)
 
@@ -136,8 +141,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
                           plan.unit_signals(group), decrement=False)
 
     if not tiles_send:
-      return common.TileHooks(run=run,
-                              before_load=wait_k_group if k_major else None)
+      return ring_skeleton.TileHooks(
+          run=run, before_load=wait_k_group if k_major else None)
 
     share = schedule.sender_share(n_idx, k_iters, per_sender)
     forwards = (step < axis_size - 1) & (share > 0)
@@ -173,10 +178,10 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         pl.semaphore_signal(arrived.at[step, m_idx], device_id=peer)
 
-    return common.TileHooks(run=run, k_step=forward_slices)
+    return ring_skeleton.TileHooks(run=run, k_step=forward_slices)
 
   loop = functools.partial(
-      common.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
+      ring_skeleton.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
       row_block=row_block, begin_tile=begin_tile,
       delay_release=0 if eager else 1,
       k_order=k_order if tiles_send else None)
@@ -184,7 +189,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
     loop()
     return
 
-  compute_blocks = common.num_sms() - sender_sms
+  compute_blocks = configs.sm_count() - sender_sms
   block = lax.axis_index("cluster_grid")
 
   @pl.when(block < compute_blocks)
@@ -215,7 +220,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   ahead, in_flight = schedule.sender_pipeline(slots)
   lag = plan.announce_lag(in_flight, config.sender_announce_lag)
   num_chunks = (axis_size - 1) * plan.chunks_per_step(sender)
-  peer = common.peer_id(axis_name, send_to)
+  peer = ring_skeleton.peer_id(axis_name, send_to)
 
   def chunk(c):
     step, i, j = plan.chunk(c, sender)
@@ -225,7 +230,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   @functools.partial(
       pl.run_scoped,
       buf=plgpu.SMEM((slots, cta_tile_m, tile_k), dtype,
-                     transforms=common.swizzled(dtype, tile_k)),
+                     transforms=pipeline.swizzled(dtype, tile_k)),
       loaded=plgpu.Barrier(num_arrivals=1, num_barriers=slots),
       collective_axes="wg",
   )
@@ -295,12 +300,12 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
-                          return_gathered: bool = False,
-                          _diagnostic_loopback: bool = False):
+                          return_gathered: bool = False):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
   are zero-padded (rows, k, columns) and the padding sliced off.
+  `diagnostics.loopback` wraps it for benchmarks (WRONG RESULTS).
 
   Args:
     lhs: local rows `[m, k]`, bf16 or f16.
@@ -317,27 +322,22 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     return_gathered: also return `all_gather(lhs)` `[D, m, k]` (blocks in
       axis-index order), assembled from the shards the ring delivered, so a
       backward pass need not gather again.
-    _diagnostic_loopback: diagnostics only, WRONG RESULTS for D > 1: every
-      device forwards to its own scratch instead of its neighbour's, so the
-      kernel does the same work without NVLink traffic (to time what the
-      link costs, `"loopback": true` in
-      `scripts/bench_kernels.py`'s config JSON).
 
   Returns:
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
     the flattened `[b, D * s, n]`; with `return_gathered` a pair.
   """
-  out_dtype = common.check_operands(lhs, rhs, out_dtype)
+  out_dtype = ring_skeleton.check_operands(lhs, rhs, out_dtype)
   m, k = lhs.shape
   n = rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
-  common.check_config(config, AllGatherConfig)
-  if config.sender_sms >= common.num_sms():
+  ring_skeleton.check_config(config, AllGatherConfig)
+  if config.sender_sms >= configs.sm_count():
     raise ValueError(
         f"sender_sms={config.sender_sms} leaves no block to multiply on "
-        f"{common.num_sms()} SMs")
-  pad, rows_per_batch = common.tile_plan(config, m, k, n, lhs.dtype,
-                                         out_dtype, rows_per_batch)
+        f"{configs.sm_count()} SMs")
+  pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, lhs.dtype,
+                                                out_dtype, rows_per_batch)
   if pad.any:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
     rhs = jnp.pad(rhs, ((0, pad.k), (0, pad.n)))
@@ -348,11 +348,11 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     # Receive buffer: slot s holds the shard used at ring step s + 1.
     out_types.append(
         jax.ShapeDtypeStruct((axis_size - 1, m_shard, k_pad), lhs.dtype))
-  kernel = common.kernel_call(
+  kernel = ring_skeleton.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
-                        diagnostic_loopback=_diagnostic_loopback),
+                        diagnostic_loopback=diagnostics.loopback_active()),
       out_types)
   results = kernel(lhs, rhs)
   out = results[0]

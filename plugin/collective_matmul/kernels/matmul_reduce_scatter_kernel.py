@@ -14,7 +14,7 @@ in the output dtype. One persistent loop covers the tiles
 of all D steps; a tile waits only for its own partial sum. Only plain
 peer-to-peer TMA stores cross NVLink (no NVLS multicast).
 
-Overlap details (measured in benchmarks/RESULTS.md):
+Overlap details:
 * a tile's partial sum stays in the epilogue's shared memory and is sent
   during the *next* tile's k loop, in `send_pieces` row pieces per slot,
   one every `send_gap` steps (`spread_sends`): a long remote store holds
@@ -41,22 +41,25 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from collective_matmul.kernels import common
+from collective_matmul.kernels import configs
+from collective_matmul.kernels import diagnostics
+from collective_matmul.kernels import ring_skeleton
 from collective_matmul.kernels import schedule
+from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import ReduceScatterConfig
 
 
 def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
                  config: ReduceScatterConfig, m_block, k, n, rows_per_batch,
                  diagnostic_loopback):
-  """The shared skeleton (`common.ring_tile_loop`) with the reduce-scatter's
-  hooks: a tile's k loop sends (and announces) the previous tile's partial
-  sum, and its epilogue adds the partial sum it received and sends the sum
-  on, or stores it once complete."""
+  """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
+  reduce-scatter's hooks: a tile's k loop sends (and announces) the previous
+  tile's partial sum, and its epilogue adds the partial sum it received and
+  sends the sum on, or stores it once complete."""
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   out_dtype = out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
-  grid = common.tile_grid(config, axis_size, m_block, k, n)
+  grid = ring_skeleton.tile_grid(config, axis_size, m_block, k, n)
   k_iters = grid.k_iters
   num_epi = len(grid.epi_tiles)
   ring = axis_size > 1
@@ -67,7 +70,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
     peer_scratch = plgpu.remote_ref(scratch_ref,
-                                    common.peer_id(axis_name, send_to))
+                                    ring_skeleton.peer_id(axis_name, send_to))
     # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
     # sum reached this device's scratch slot s.
     landed = pl.get_global(plgpu.SemaphoreType.REGULAR(
@@ -97,7 +100,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     """Signals the peer once this warpgroup's stores of a tile landed."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     pl.semaphore_signal(landed.at[step, m_idx, n_idx],
-                        device_id=common.peer_id(axis_name, send_to))
+                        device_id=ring_skeleton.peer_id(axis_name, send_to))
 
   def row_block(step, m_idx):
     """Whose partial sum the tile works on; it is written to the tile's
@@ -105,7 +108,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     block = schedule.reduce_scatter_block(dev, step, axis_size)
     return block, pl.ds(m_idx * cta_tile_m, cta_tile_m)
 
-  def begin_tile(tile: common.Tile) -> common.TileHooks:
+  def begin_tile(tile: ring_skeleton.Tile) -> ring_skeleton.TileHooks:
     step, m_idx, n_idx = tile.step, tile.m_idx, tile.n_idx
     tile_rows, cta_n = tile.out_rows, tile.cta_n
     wg_m, wg_n = tile.wg_m, tile.wg_n
@@ -133,7 +136,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
     def wait_partial(i):
       plgpu.barrier_wait(received.at[wg_idx * 2 + i % 2])
 
-    partial_sum = common.Received(load=load_partial, wait=wait_partial)
+    partial_sum = ring_skeleton.Received(load=load_partial, wait=wait_partial)
 
     def epilogue(acc_ref):
       if ring and announce_step is None:
@@ -150,7 +153,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
         # drains.
         @pl.when(step > 0)
         def _receive_partial():
-          with common.phase("wait_partial_sum"):
+          with tracing.phase("wait_partial_sum"):
             pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
                               decrement=False)
           for i in range(min(2, num_epi)):
@@ -207,20 +210,21 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
       matmul(x_ref, schedule.output_row(m_idx * cta_tile_m, tile.block,
                                         axis_size, rows_per_batch))
 
-    return common.TileHooks(run=run, k_step=send_previous, epilogue=epilogue)
+    return ring_skeleton.TileHooks(run=run, k_step=send_previous,
+                                   epilogue=epilogue)
 
-  common.ring_tile_loop(
+  ring_skeleton.ring_tile_loop(
       grid, x_ref, w_ref, out_ref, row_block=row_block,
       begin_tile=begin_tile, delay_release=0,
       scratch=dict(received=plgpu.Barrier(num_barriers=4)))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
-                          out_dtype=None, rows_per_batch: int | None = None,
-                          _diagnostic_loopback: bool = False):
+                          out_dtype=None, rows_per_batch: int | None = None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
+  `diagnostics.loopback` wraps it for benchmarks (WRONG RESULTS).
 
   Args:
     x: `[D * m, k]`: all rows, this device's slice of the contraction;
@@ -234,16 +238,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
       dimension and flattened, pass `s`: row block d is then rows
       `[:, d * s:(d + 1) * s]` and the result is `[b, s, n]` flattened, with
       no transposes. `s` must be a multiple of the CTA tile rows.
-    _diagnostic_loopback: diagnostics only, WRONG RESULTS for D > 1: every
-      device sends its partial sums to its own scratch instead of its
-      neighbour's, so the kernel does the same work without NVLink traffic
-      (to time what the link costs, `"loopback": true` in
-      `scripts/bench_kernels.py`'s config JSON).
 
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
   """
-  out_dtype = common.check_operands(x, w, out_dtype, names=("x", "w"))
+  out_dtype = ring_skeleton.check_operands(x, w, out_dtype, names=("x", "w"))
   rows, k = x.shape
   n = w.shape[1]
   axis_size = lax.axis_size(axis_name)
@@ -251,10 +250,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
                      f"devices of {axis_name!r}")
   m = rows // axis_size
-  common.check_config(config, ReduceScatterConfig)
+  ring_skeleton.check_config(config, ReduceScatterConfig)
   batch_major = rows_per_batch is not None and rows_per_batch != m
-  pad, rows_per_batch = common.tile_plan(config, m, k, n, x.dtype, out_dtype,
-                                         rows_per_batch)
+  pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, x.dtype,
+                                                out_dtype, rows_per_batch)
   if batch_major and pad.any:
     raise ValueError(f"rows_per_batch needs k={k} and n={n} to fit the "
                      f"tiles of {config}")
@@ -269,11 +268,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
     # Receive buffer: slot s holds the partial sum for ring step s + 1.
     out_types.append(
         jax.ShapeDtypeStruct((axis_size - 1, m_block, n_pad), out_dtype))
-  kernel = common.kernel_call(
+  kernel = ring_skeleton.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_block=m_block,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
-                        diagnostic_loopback=_diagnostic_loopback),
+                        diagnostic_loopback=diagnostics.loopback_active()),
       out_types)
   out = kernel(x, w)[0]
   return out[:m, :n] if (pad.m or pad.n) else out

@@ -59,7 +59,7 @@ def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
 
   With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
   block is on its way after `per` pipeline steps instead of `k_iters`.
-  Without, n-tile 0 forwards all of them (the seed's scheme).
+  Without, n-tile 0 forwards all of them (the upstream example's scheme).
   """
   if not spread:
     return k_iters, 1, 1
@@ -203,10 +203,9 @@ class SenderPlan:
     """Chunks after a unit's last store that it is announced: `lag` when
     given (`AllGatherConfig.sender_announce_lag`), else k-major at once,
     once every store has landed: its tiles wait for each group as they
-    reach it, and the drain costs less than announcing late (at
-    1024/4096/4096, 97.2-98.9 against 99.3-101.6 us; benchmarks/
-    kernel_lead/, runs 21-23). By rows twice the stores in flight, so that
-    announcing waits only for stores that old."""
+    reach it, and the drain costs less than announcing late. By rows twice
+    the stores in flight, so that announcing waits only for stores that
+    old."""
     if lag is not None:
       return lag
     return 0 if self.k_major else 2 * in_flight
@@ -218,10 +217,8 @@ def sender_pipeline(slots: int):
 
   A remote TMA store holds its buffer until NVLink has read it, so most
   buffers go to stores in flight and the rest to loads (from local HBM,
-  faster) ahead. On 2 x H200 one sending SM moved ~30 GB/s with 1-2 stores
-  in flight and still ~30 GB/s with 8 (benchmarks/kernel_lead/, runs 1-2);
-  4 to 10 loads ahead out of 12 slots timed alike (run 23): the limit is
-  per SM, not this depth.
+  faster) ahead. A sending SM's rate is limited per SM, not by this depth
+  (docs/TUNING.md, "Senders").
   """
   ahead = max(1, slots // 3)
   return ahead, slots - ahead
