@@ -13,11 +13,13 @@ with each flash attention call (`attention`).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Sequence
 
 from absl import app
+from absl import flags
 import jax
 
 import collective_matmul as cm
@@ -26,6 +28,32 @@ from collective_matmul.integrations.maxtext import adapter
 from collective_matmul.integrations.maxtext import attention
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_PROGRAM = "python -m collective_matmul.integrations.maxtext"
+_HELP_FLAGS = ("--help", "-help", "-h", "--helpfull", "-helpfull",
+               "--helpshort", "-helpshort", "-?")
+# What a run without MaxText says (one line).
+MAXTEXT_MISSING = (
+    f"{_PROGRAM}: MaxText is not installed in this Python "
+    f"{sys.version_info.major}.{sys.version_info.minor}; it needs Python >= "
+    '3.12 and the maxtext extra: pip install -e ".[maxtext]" (from this '
+    "repository, in a Python 3.12 environment)")
+
+
+def maxtext_available() -> bool:
+  """Whether the `maxtext` package can be imported (without importing it)."""
+  try:
+    return importlib.util.find_spec("maxtext") is not None
+  except (ImportError, ValueError):
+    return False
+
+
+def usage() -> str:
+  """The launcher's usage and the plugin's flags, which need no MaxText
+  (MaxText's own flags are listed by --help where MaxText is installed)."""
+  plugin_flags = "\n\n".join(
+      flags.FLAGS.module_help(module).strip() for module in (cm.flags,
+                                                             attention))
+  return f"{__doc__.strip()}\n\nflags:\n\n{plugin_flags}\n"
 
 
 def print_decisions_after_compiles() -> None:
@@ -55,7 +83,11 @@ def print_decisions_after_compiles() -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-  version = adapter.install()
+  try:
+    version = adapter.install()
+  except adapter.MaxTextVersionError as e:
+    print(f"{_PROGRAM}: {e}", file=sys.stderr)
+    sys.exit(2)
   config = cm.get_config()  # The parsed flags' configuration.
   print(f"collective matmul: MaxText {version} patched; plugin "
         f"{'on, impl=' + config.impl if config.enabled else 'off'}; "
@@ -84,6 +116,15 @@ def _kernels_may_run(argv: Sequence[str]) -> bool:
 
 
 def run() -> None:
+  if not maxtext_available():
+    # Without MaxText there is no trainer to launch; --help still shows the
+    # launcher's usage.
+    if any(arg.partition("=")[0] in _HELP_FLAGS for arg in sys.argv[1:]):
+      print(usage())
+      print(f"note: {MAXTEXT_MISSING}")
+      sys.exit(0)
+    print(MAXTEXT_MISSING, file=sys.stderr)
+    sys.exit(2)
   if _kernels_may_run(sys.argv):
     # Command buffers off: only for runs that may use the kernels, so a
     # plugin-off run is stock MaxText's program.
