@@ -8,6 +8,7 @@ import pytest
 from collective_matmul import ops
 from collective_matmul import ring
 from collective_matmul import selection
+from collective_matmul.enums import Collective
 import cm_test_utils as utils
 
 
@@ -163,17 +164,43 @@ def test_all_gather_backward_runs_the_reduce_scatter_ring(rng):
   assert utils.count_ops(hlo, "collective-permute") == 6
 
 
+# A Hopper GPU, described: the plan is decided on this CPU.
+H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
+
+
+def _plan(monkeypatch, impl, forward, dtype, out_dtype=None):
+  """`selection.choose`'s plan for `forward` on a problem both kernels serve
+  and where they pay off (per shard 4096 x 4096 x 4096, D = 2)."""
+  monkeypatch.setenv("COLLECTIVE_MATMUL_TUNING_CACHE",
+                     "/nonexistent/tuning.json")
+  problem = selection.Problem(
+      4096, 4096, 4096, np.dtype(jnp.dtype(dtype)), 2,
+      None if out_dtype is None else np.dtype(jnp.dtype(out_dtype)))
+  return selection.choose(impl, forward, problem, H200)
+
+
 @pytest.mark.parametrize("impl,collective,dtype,expected", [
     ("ring", "reduce_scatter", "bfloat16", "ring"),
     ("baseline", "all_gather", "bfloat16", "baseline"),
     ("pallas", "reduce_scatter", "float32", "ring"),
 ])
-def test_backward_impl(impl, collective, dtype, expected):
-  assert selection.backward_impl(impl, collective,
-                                 jnp.dtype(dtype)) == expected
+def test_backward_impl(monkeypatch, impl, collective, dtype, expected):
+  """`collective`: the backward's; `dtype`: its cotangent's (the forward's
+  result dtype, of bf16 operands). A `pallas` forward whose cotangent the
+  kernels do not take (f32) runs its backward on the ring, so the
+  backward of a kernel-served op does not fail for it."""
+  forward = Collective(collective).transpose
+  plan = _plan(monkeypatch, impl, forward, jnp.bfloat16, dtype)
+  assert plan.impl == impl
+  assert plan.backward_impl == expected
+  assert plan.backward_config is None
 
 
-def test_backward_keeps_pallas_for_both_kernels_on_their_dtypes():
+def test_backward_keeps_pallas_for_both_kernels_on_their_dtypes(monkeypatch):
   for collective in ("all_gather", "reduce_scatter"):
     for dtype in (jnp.bfloat16, jnp.float16):
-      assert selection.backward_impl("pallas", collective, dtype) == "pallas"
+      forward = Collective(collective).transpose
+      for out_dtype in (None, dtype):
+        plan = _plan(monkeypatch, "pallas", forward, dtype, out_dtype)
+        assert plan.backward_impl == "pallas", (collective, dtype)
+        assert plan.backward_config is not None
