@@ -67,7 +67,14 @@ def main(argv: list[str]) -> int:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # --verbosity=0: INFO logs too.
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    try:
+      jax.distributed.initialize()
+    except (ValueError, RuntimeError) as e:
+      print(f"--distributed: jax.distributed.initialize() failed: "
+            f"{(str(e).strip().splitlines() or [type(e).__name__])[0]} (set "
+            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or "
+            "launch under a cluster JAX detects, e.g. SLURM)", file=sys.stderr)
+      return 2
   if len(argv) < 2:
     print("usage: ab_compare.py <base.yml> [key=value ...] [--flags]",
           file=sys.stderr)
@@ -87,6 +94,7 @@ def main(argv: list[str]) -> int:
     return 2
   try:
     baseline_options = ab_lib.parse_xla_options(_BASELINE_XLA_OPTION.value)
+    ab_lib.check_xla_options(baseline_options)
   except ValueError as e:
     print(f"--baseline_xla_option: {e}", file=sys.stderr)
     return 2

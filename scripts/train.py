@@ -117,6 +117,9 @@ def _with_run_name(config: config_lib.Config) -> config_lib.Config:
 def _train(argv: list[str]) -> int:
   config_lib.load_config(argv)  # Key and value errors before JAX starts.
   config = config_lib.load_config(argv, num_devices=jax.device_count())
+  # A model beyond the machine's memory is refused before anything is
+  # allocated or written.
+  trainer_lib.check_fits_memory(config, jax.devices())
   config = _with_run_name(config)
   collective_config = cm.get_config()
   trainer = trainer_lib.Trainer(config, collective_config)
@@ -184,6 +187,22 @@ def _train(argv: list[str]) -> int:
   return 0
 
 
+def distributed_error(error: Exception) -> str:
+  """One line for a failed jax.distributed.initialize()."""
+  first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  return (f"--distributed: jax.distributed.initialize() failed: {first_line} "
+          "(set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+          "JAX_PROCESS_ID, or launch under a cluster JAX detects, e.g. SLURM; "
+          "a single-process run needs no --distributed)")
+
+
+def _is_strict_fallback(error: BaseException) -> bool:
+  """The plugin's strict mode refusing a fallback: it raises a ValueError
+  whose message starts 'collective matmul (strict):' (override._record)."""
+  return (isinstance(error, ValueError)
+          and str(error).startswith("collective matmul (strict):"))
+
+
 def main(argv: list[str]) -> int:
   # A run that seems stuck: `kill -USR1 <pid>` prints every thread's stack
   # to stderr (and the run goes on).
@@ -193,7 +212,11 @@ def main(argv: list[str]) -> int:
     # --verbosity=0 shows JAX's and orbax's INFO log, --v=1 each decision.
     logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    try:
+      jax.distributed.initialize()
+    except (ValueError, RuntimeError) as e:
+      print(distributed_error(e), file=sys.stderr)
+      return 2
   cm.set_config(cm.config_from_flags())
   args = argv[1:]
   try:
@@ -216,6 +239,13 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt as e:  # trainer_lib.TrainingInterrupted too
     print(str(e) or "interrupted (Ctrl-C)", file=sys.stderr)
     return 130
+  except ValueError as e:
+    if not _is_strict_fallback(e):
+      raise
+    print(f"{str(e).splitlines()[0]} (--collective_matmul_strict refuses a "
+          "fallback; without it the layer falls back as recorded)",
+          file=sys.stderr)
+    return 1
 
 
 # The plugin's flags are this program's own: listed by --help, not only

@@ -192,6 +192,21 @@ def parse_xla_options(items: list[str]) -> dict:
   return options
 
 
+def check_xla_options(options: dict) -> None:
+  """Compiles a one-op program with `options`, so an option XLA does not
+  know, or a value it cannot take, is reported (ValueError, one line naming
+  it) before either arm is built or trained."""
+  if not options:
+    return
+  lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
+  try:
+    lowered.compile(compiler_options=dict(options))
+  except jax.errors.JaxRuntimeError as e:
+    message = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    raise ValueError(f"XLA refuses {options}: "
+                     f"{message.removeprefix('INVALID_ARGUMENT: ')}") from None
+
+
 def _sharding_axes(mesh_shape: dict[str, int]) -> dict[str, int]:
   """The mesh axes of more than one device: of MaxText's many axes, the
   ones that shard anything (all of them when none does)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import statistics
 import threading
@@ -175,6 +176,42 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return jnp.mean(losses)
 
 
+def available_memory(devices) -> tuple[int, str]:
+  """(bytes, description) of the memory `devices` have together: their
+  allocators' limits where they report one (GPUs), else the host memory
+  of the processes they span (CPU devices share it)."""
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  limits = []
+  for device in local:
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # pylint: disable=broad-except
+      stats = {}
+    if "bytes_limit" not in stats:
+      break
+    limits.append(stats["bytes_limit"])
+  else:
+    if limits:
+      total = len(devices) * sum(limits) // len(limits)
+      return total, (f"the {total / 2**30:,.1f} GiB of the {len(devices)} "
+                     f"{local[0].device_kind} devices")
+  processes = len({d.process_index for d in devices})
+  try:
+    per_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return 2**63, "this machine"  # Unknown: nothing is refused.
+  return processes * per_host, (
+      f"the {processes * per_host / 2**30:,.1f} GiB of host memory the "
+      f"{len(devices)} {devices[0].platform} devices share")
+
+
+def check_fits_memory(config: config_lib.Config, devices) -> None:
+  """ConfigError (one line) unless the model of `config` (resolved) may fit
+  in the memory of `devices`: checked before anything is allocated."""
+  config_lib.check_fits_memory(config, model_lib.count_params(config),
+                               *available_memory(devices))
+
+
 # XLA's own overlap of all-gather and matmul (windowed einsum, with its
 # collective matmuls on several streams), as the kernel benchmarks run it.
 WINDOWED_EINSUM = {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
@@ -246,6 +283,7 @@ class Trainer:
 
   def init_state(self) -> TrainState:
     """Parameters from `init_weights_seed`, created sharded."""
+    check_fits_memory(self.config, list(self.mesh.devices.flat))
     init = jax.jit(lambda rng: nn.meta.unbox(self._boxed_state(rng)),
                    out_shardings=self.state_shardings)
     with self._contexts():
