@@ -132,7 +132,8 @@ site = os.environ["PYTHONPATH"].split(":")[0]
 with open(os.path.join(out, "ab.json"), "w") as f:
   json.dump({"pythonpath": os.environ["PYTHONPATH"], "config": config,
              "config_exists": os.path.exists(config),
-             "private_mode": oct(os.stat(os.path.dirname(site)).st_mode & 0o777)}, f)
+             "private_mode": oct(
+                 os.stat(os.path.dirname(site)).st_mode & 0o777)}, f)
 """
 
 

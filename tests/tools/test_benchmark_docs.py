@@ -1,8 +1,8 @@
 """benchmarks/ holds results that its documents cite: every path README.md,
-BUILD.md and the benchmark documents name exists (a removed file is cited
-only as git history, on a line naming the commit that has it), every
-in-page link has its heading, and every run kept in kernel_lead/ is listed
-in its README."""
+BUILD.md, docs/TUNING.md and the benchmark documents name exists (a
+removed file is cited only as git history, on a line naming the commit
+that has it), every in-page link has its heading, and every run kept in
+kernel_lead/ is listed in its README."""
 import glob
 import os
 import re
@@ -14,6 +14,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 # Hand-written documents (the runs' generated report.md files are raw data).
 DOCS = (["README.md", "BUILD.md", "benchmarks/RESULTS.md"] +
+        [d for d in ["docs/TUNING.md"]
+         if os.path.exists(os.path.join(REPO_ROOT, d))] +
         sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(
             os.path.join(BENCHMARKS, "**", "README.md"), recursive=True)))
 HISTORY_COMMIT = "d8888bb"  # Where the removed files are cited from.
@@ -103,7 +105,8 @@ def test_every_in_page_link_has_its_heading(doc):
 def test_results_names_the_sections_others_cite():
   text = open(os.path.join(BENCHMARKS, "RESULTS.md")).read()
   headings = re.findall(r"^## (.*)$", text, re.M)
-  for needed in ("Not re-checked since the wgmma-wait fix (de65204)",
+  for needed in ("What is not re-checked since the wgmma-wait fix "
+                 "(de65204)",
                  "Method", "Machine and versions", "Commands",
                  "All-gather kernel, D = 2",
                  "Dedicated senders and chained tiles",
