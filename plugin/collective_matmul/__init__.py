@@ -10,7 +10,8 @@ Public API:
     inside `shard_map`.
   CollectiveMatmulConfig, get_config, set_config, config_context,
   config_from_flags: what the override does.
-  Decision, decisions, clear_decisions, format_decisions: what it did.
+  Decision, decisions, clear_decisions, format_decisions: what it did;
+    StrictFallbackError: what strict mode raises instead of a fallback.
   prepare_xla_for_kernels: XLA_FLAGS the Hopper kernels need (call before
     JAX starts its GPU backend).
 """
@@ -27,6 +28,7 @@ from collective_matmul.grouping import grouped_logical_dot_general
 from collective_matmul.ops import all_gather_matmul
 from collective_matmul.ops import matmul_reduce_scatter
 from collective_matmul.override import Decision
+from collective_matmul.override import StrictFallbackError
 from collective_matmul.override import clear_decisions
 from collective_matmul.override import decisions
 from collective_matmul.override import dot_general

@@ -84,6 +84,11 @@ class Decision:
             f"{self.dtype}: {what}{why}")
 
 
+class StrictFallbackError(ValueError):
+  """Strict mode (`CollectiveMatmulConfig.strict`) refusing a fallback: a
+  pattern was found but could not be served as configured."""
+
+
 _record_lock = threading.Lock()
 _decisions: list[Decision] = []
 
@@ -126,7 +131,7 @@ def record(decision: Decision, strict: bool, fallback: bool) -> None:
     if first:
       _logged_fallbacks.add(str(decision))
   if strict and fallback:
-    raise ValueError(f"collective matmul (strict): {decision}")
+    raise StrictFallbackError(f"collective matmul (strict): {decision}")
   if first:
     logging.warning("collective matmul fallback: %s", decision)
   else:

@@ -22,9 +22,11 @@ def test_strict_pallas_on_cpu_raises_naming_the_backend(keys):
   mesh, x, w = _operands(keys)
   with jax.set_mesh(mesh):
     with cm.config_context(enabled=True, impl="pallas", strict=True):
-      with pytest.raises(ValueError, match="pallas unavailable") as info:
+      with pytest.raises(cm.StrictFallbackError,
+                         match="pallas unavailable") as info:
         jax.jit(lambda x, w: cm.dot_general(x, w, DN_LAST(2)))(x, w)
   assert "backend" in str(info.value) and "'cpu'" in str(info.value)
+  assert isinstance(info.value, ValueError)  # What it raised before.
 
 
 def test_non_strict_pallas_on_cpu_falls_back_to_ring(keys):
