@@ -93,13 +93,29 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   that otherwise could run it."""
   from collective_matmul import ops
   from collective_matmul import selection
-  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(selection, "unsupported_reason", lambda **_: None)
-  x, w = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256),
-                                                         jnp.bfloat16)
+  from collective_matmul.enums import Collective
+  hopper = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
+  monkeypatch.setattr(selection, "device_facts", lambda mesh=None: hopper)
+  mesh = mesh_1d(2, axis_type=jax.sharding.AxisType.Auto)
+  operands = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),) * 2
+
+  def trace(body):
+    # The op decides its plan at trace time, inside shard_map (D = 2).
+    return jax.eval_shape(jax.shard_map(
+        body, mesh=mesh, in_specs=(P("x", None), P(None, "x")),
+        out_specs=P("x", None)), *operands)
+
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   with pytest.raises(ValueError, match="command buffers.*"
                      "--xla_gpu_enable_command_buffer="):
-    cm.all_gather_matmul(x, w, "x", impl="pallas")
+    trace(lambda a, b: cm.all_gather_matmul(a, b, "x", impl="pallas"))
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
-  assert ops._pallas_unavailable_reason(x, w) is None  # pylint: disable=protected-access
+  plans = []
+
+  def plan_only(a, b):
+    plans.append(ops._plan(Collective.ALL_GATHER, a, b, "x", 0, "pallas",  # pylint: disable=protected-access
+                           None, None, None, None))
+    return a
+  trace(plan_only)
+  (plan,) = plans
+  assert plan.impl == "pallas" and not plan.is_fallback, plan
