@@ -2,6 +2,8 @@
 validated in one place, and still strings wherever they were strings."""
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import collective_matmul as cm
@@ -53,10 +55,17 @@ def test_config_normalises_strings_to_members():
     cm.CollectiveMatmulConfig(fallback_impl="auto")
 
 
-def test_selection_takes_strings_at_its_boundary():
-  assert selection.backward_impl("pallas", "all_gather",
-                                 "float32") is Impl.RING
+def test_selection_takes_strings_at_its_boundary(monkeypatch):
+  monkeypatch.setenv("COLLECTIVE_MATMUL_TUNING_CACHE",
+                     "/nonexistent/tuning.json")
+  hopper = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
+  # bf16 operands, a float32 result: the backward's (all-gather) cotangent
+  # is float32, which the kernels do not take.
+  problem = selection.Problem(4096, 4096, 4096, np.dtype(jnp.bfloat16), 2,
+                              np.dtype(np.float32))
+  plan = selection.choose("pallas", "reduce_scatter", problem, hopper)
+  assert plan.impl is Impl.PALLAS and plan.backward_impl is Impl.RING
   with pytest.raises(ValueError, match="collective='all_reduce'"):
-    selection.backward_impl("ring", "all_reduce", "float32")
+    selection.choose("ring", "all_reduce", problem, hopper)
   with pytest.raises(ValueError, match="pattern='matmul'"):
     selection.cache_key(1, 2, 3, "bfloat16", 2, "H100", pattern="matmul")
