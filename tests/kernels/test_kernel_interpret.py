@@ -174,7 +174,9 @@ def test_a_pallas_mlp_trains_forward_and_backward(save_gathered, keys,
   against the same MLP in f32, at D = 1."""
   from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   # The ops refuse impl="pallas" off a Hopper GPU; here it is interpreted.
-  monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
+  monkeypatch.setattr(selection, "device_facts",
+                      lambda mesh=None: selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
   x = normal(keys(), (2, 256, 256), jnp.bfloat16)
   wi = (normal(keys(), (256, 512), jnp.float32) / 16).astype(jnp.bfloat16)
   wo = (normal(keys(), (512, 256), jnp.float32) / 22).astype(jnp.bfloat16)

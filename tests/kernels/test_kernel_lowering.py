@@ -103,7 +103,9 @@ def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
   kernels and the backward's transposed ones, lowered as one program."""
   from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   # The ops refuse impl="pallas" where no Hopper GPU is; here nothing runs.
-  monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
+  monkeypatch.setattr(selection, "device_facts",
+                      lambda mesh=None: selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
   mesh = _mesh(2)
 
   shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]

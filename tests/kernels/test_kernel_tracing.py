@@ -25,7 +25,9 @@ def _describe_a_hopper_machine(monkeypatch):
   """The ops refuse impl="pallas" where no Hopper GPU is; these tests only
   trace the kernels' Python (abstract evaluation, nothing is lowered)."""
   from collective_matmul import ops  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(ops, "_pallas_unavailable_reason", lambda x, w: None)
+  monkeypatch.setattr(selection, "device_facts",
+                      lambda mesh=None: selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
 
 
 def _mesh(d):
@@ -157,8 +159,8 @@ def test_pallas_ops_trace_forward_and_backward(save_gathered):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(lhs=jnp.float32), "dtype float32 is not supported"),
-    (dict(out_dtype=jnp.float16), "out_dtype float16 must be"),
+    (dict(lhs=jnp.float32), r"dtype float32 \(kernel takes bf16 or f16\)"),
+    (dict(out_dtype=jnp.float16), "preferred_element_type float16"),
     (dict(rows_per_batch=96), "rows_per_batch=96 must divide"),
     # Every block a sender: nothing would compute the output.
     (dict(config=kernels.AllGatherConfig(sender_sms=132)),
@@ -241,15 +243,15 @@ def test_trace_warpgroups_asks_mosaic_for_its_profile(d, monkeypatch,
                                                        tmp_path):
   """Inside `trace_warpgroups` both kernels are built with the on-device
   profiler on (its space and directory); outside, without."""
-  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import ring_skeleton  # pylint: disable=g-import-not-at-top
   seen = []
-  real_kernel = common.plgpu.kernel
+  real_kernel = ring_skeleton.plgpu.kernel
 
   def spy(body, **kwargs):
     seen.append(kwargs["compiler_params"])
     return real_kernel(body, **kwargs)
 
-  monkeypatch.setattr(common.plgpu, "kernel", spy)
+  monkeypatch.setattr(ring_skeleton.plgpu, "kernel", spy)
   mesh = _mesh(d)
   with kernels.trace_warpgroups(tmp_path, ranges_per_warpgroup=40):
     _trace_both_kernels(mesh)
@@ -277,32 +279,32 @@ def test_trace_warpgroups_counts_its_shared_memory(tmp_path):
 def test_a_chain_off_the_depth_needs_its_first_step():
   """A chained pipeline whose k steps are no multiple of its depth runs on
   `_OffsetChain`, which has to know where the block's slots stand."""
-  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import pipeline  # pylint: disable=g-import-not-at-top
   kwargs = dict(cta_tile_m=128, cta_tile_n=256, tile_k=64, dtype=jnp.bfloat16,
                 max_concurrent_steps=3, delay_release=0, chained=True)
   with pytest.raises(ValueError, match="needs first_step"):
-    common.matmul_pipeline(None, None, k_iters=16, **kwargs)
-  assert isinstance(common.matmul_pipeline(None, None, k_iters=16,
-                                           first_step=0, **kwargs),
-                    common._OffsetChain)  # pylint: disable=protected-access
-  assert not isinstance(common.matmul_pipeline(None, None, k_iters=15,
-                                               **kwargs),
-                        common._OffsetChain)  # pylint: disable=protected-access
+    pipeline.matmul_pipeline(None, None, k_iters=16, **kwargs)
+  assert isinstance(pipeline.matmul_pipeline(None, None, k_iters=16,
+                                             first_step=0, **kwargs),
+                    pipeline._OffsetChain)  # pylint: disable=protected-access
+  assert not isinstance(pipeline.matmul_pipeline(None, None, k_iters=15,
+                                                 **kwargs),
+                        pipeline._OffsetChain)  # pylint: disable=protected-access
 
 
 def test_only_the_listed_phases_are_traced():
   """A phase is a named scope on what it wraps (what the profiler records
   as a range); an unlisted name is refused."""
-  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import tracing  # pylint: disable=g-import-not-at-top
 
   def f(x):
-    with common.phase("epilogue"):
+    with tracing.phase("epilogue"):
       return x * 2
 
   [eqn] = jax.make_jaxpr(f)(1.0).eqns
   assert "epilogue" in str(eqn.source_info.name_stack)
   with pytest.raises(ValueError, match="not one of"):
-    common.phase("mma_loop")
+    tracing.phase("mma_loop")
 
 
 def _wgmma_wait_depths(jaxpr):

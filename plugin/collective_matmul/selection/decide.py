@@ -200,9 +200,10 @@ def choose(requested: Impl | str, collective: Collective | str,
   collective + GEMM (NCCL + cuBLAS) where the kernel may not run on this
   Hopper GPU or a problem is too small to overlap, else (off Hopper)
   `options.fallback_impl`. An explicit `pallas` runs the kernel wherever it
-  can; where it cannot, that is a fallback (`is_fallback`). The backward's
-  collective matmul (the other collective, `problem.backward()`) is chosen
-  by the same rules once the forward runs the kernel.
+  can, small problems included; where it cannot, that is a fallback
+  (`is_fallback`). The backward's collective matmul (the other collective,
+  `problem.backward()`) is chosen by the same rules once the forward runs
+  the kernel.
 
   Args:
     requested: the configured implementation (auto, pallas, ring, baseline).
@@ -223,7 +224,7 @@ def choose(requested: Impl | str, collective: Collective | str,
                       is_fallback=requested == Impl.PALLAS and verdict.hard)
   back, back_config, back_source = _kernel(
       collective.transpose, problem.backward(), device, options, None)
-  if back is not None:
+  if back is not None and (requested == Impl.AUTO or back.hard):
     return KernelPlan(Impl.PALLAS, back.impl, config, source)
   return KernelPlan(Impl.PALLAS, Impl.PALLAS, config, source, back_config,
                     back_source)
