@@ -18,8 +18,9 @@ iterations. With --rounds R every method of a shape is timed R times,
 round-robin, and the median over the rounds is reported (`Timer`): long
 kernels' times drift between back-to-back readings. Every method's result is checked against an f32 reference,
 except a config run in loopback (`"loopback": true` in its --config /
---rs-config JSON: every device sends to itself, the kernel's
-`_diagnostic_loopback`, to time what NVLink costs; WRONG RESULTS by design).
+--rs-config JSON: every device sends to itself, the kernel wrapped in
+`kernels.diagnostics.loopback`, to time what NVLink costs; WRONG RESULTS by
+design).
 With --trace-dir DIR each of our kernels also runs under
 `kernels.trace_warpgroups` (--trace-warmups calls, then the one whose trace
 is kept): per tile, its k loop, epilogue and waits, in SM cycles
@@ -62,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 import collective_matmul as cm
 from collective_matmul import kernels
 from collective_matmul import selection
+from collective_matmul.kernels import diagnostics
 from collective_matmul.autotuning import kernel_time_us
 import bench_plan  # pylint: disable=g-bad-import-order
 import warpgroup_trace  # pylint: disable=g-bad-import-order
@@ -376,10 +378,10 @@ def bench_shape(m, k, n, dtype_name, args):
         args.config, selection.select_config(m, k, n, dtype, d)):
       if config_error(row, key, chosen):
         continue
-      if loopback:
-        f = shmap(functools.partial(kernels.all_gather_lhs_matmul,
-                                    axis_name="x", config=chosen,
-                                    _diagnostic_loopback=True))
+      if loopback:  # Diagnostics only: wrong results.
+        f = shmap(functools.partial(
+            diagnostics.loopback(kernels.all_gather_lhs_matmul),
+            axis_name="x", config=chosen))
       else:
         f = shmap(functools.partial(cm.all_gather_matmul, axis_name="x",
                                     impl="pallas", kernel_config=chosen))
@@ -462,12 +464,15 @@ def plan_calls(args, d, num_sms=132):
           calls.append(bench_plan.Broken(f"{label} {key}", d,
                                          f"{type(cfg).__name__}: {cfg}"))
           continue
-        calls.append(bench_plan.ring_call(
+        call = bench_plan.ring_call(
             f"{label} {key}" + (" (loopback)" if loopback else ""), pattern,
             cfg, m, k, n, d, dtype,
-            kwargs={"_diagnostic_loopback": True} if loopback else {},
             trace_ranges=trace_ranges(cfg, m, n, d, num_sms)
-            if args.trace_dir and not loopback else None))
+            if args.trace_dir and not loopback else None)
+        if loopback:  # Diagnostics only: wrong results.
+          call = dataclasses.replace(
+              call, kernel=diagnostics.loopback(call.kernel))
+        calls.append(call)
       if pattern == "all_gather":
         calls.append(bench_plan.FnCall(f"{label} ring",
                                        ring_all_gather_matmul(), **ring))
@@ -514,9 +519,10 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
             m, k, n, dtype, d)):
       if config_error(row, key, chosen):
         continue
-      f = shmap(functools.partial(kernels.matmul_reduce_scatter,
-                                  axis_name="x", config=chosen,
-                                  _diagnostic_loopback=loopback))
+      kernel = kernels.matmul_reduce_scatter
+      if loopback:  # Diagnostics only: wrong results.
+        kernel = diagnostics.loopback(kernel)
+      f = shmap(functools.partial(kernel, axis_name="x", config=chosen))
       try:
         poison_allocator(d * m * n * 2)
         out, _, row[f"{key}_kernels"] = timer.time(key, f, a, b, mesh=mesh)

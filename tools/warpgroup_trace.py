@@ -2,7 +2,7 @@
 
 `collective_matmul.kernels.trace_warpgroups(dir)` makes every traced kernel
 call write Mosaic GPU's on-device profile, a Chrome trace with one track per
-block and warpgroup, holding the skeleton's phases (`common.PHASES`): each
+block and warpgroup, holding the skeleton's phases (`tracing.PHASES`): each
 tile's k loop (`mma`) and epilogue on the two compute warpgroups, and the
 collectives' waits. This script turns one such trace into figures:
 

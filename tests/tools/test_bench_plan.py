@@ -75,7 +75,8 @@ def test_more_devices_than_emulated_is_a_clear_error():
 
 def test_bench_kernels_plans_what_it_would_time():
   """The calls `plan_calls` builds are the run's: the picked config and
-  each --config per shape, loopback passed to the kernel and not traced."""
+  each --config per shape, a loopback one's kernel wrapped in
+  `diagnostics.loopback` and not traced."""
   bench = import_script("bench_kernels")
   args = argparse.Namespace(
       shapes=["1024/4096/4096:bf16"], rs_shapes=["512/4096/4096:f16"],
@@ -101,7 +102,10 @@ def test_bench_kernels_plans_what_it_would_time():
   assert ours.trace_ranges == bench.trace_ranges(ours.config, 1024, 4096, 2,
                                                  132)
   assert loopback.config.tile_n == 256 and loopback.trace_ranges is None
-  assert loopback.kwargs == {"_diagnostic_loopback": True}
+  # The kernel in loopback (diagnostics: wrong results), the others plain.
+  assert ours.kernel is kernels.all_gather_lhs_matmul and not ours.kwargs
+  assert loopback.kernel.__wrapped__ is kernels.all_gather_lhs_matmul
+  assert not loopback.kwargs
   assert "tile_k=7" in broken.error
   # The other arms get the operands the run gives them.
   others = {c.label.rsplit(" ", 1)[-1] if "seed" not in c.label else

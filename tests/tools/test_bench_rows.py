@@ -17,15 +17,13 @@ def _run_once(f, *operands, iterations):
   return jax.block_until_ready(f(*operands)), 2.0, {"fake": 2.0}
 
 
-def _fake_all_gather_kernel(a, b, axis_name, *, config,
-                            _diagnostic_loopback=False):
-  del config, _diagnostic_loopback
+def _fake_all_gather_kernel(a, b, axis_name, *, config):
+  del config
   return lax.all_gather(a, axis_name, axis=0, tiled=True) @ b
 
 
-def _fake_reduce_scatter_kernel(a, b, axis_name, *, config,
-                                _diagnostic_loopback=False):
-  del config, _diagnostic_loopback
+def _fake_reduce_scatter_kernel(a, b, axis_name, *, config):
+  del config
   return lax.psum_scatter(a @ b, axis_name, scatter_dimension=0, tiled=True)
 
 

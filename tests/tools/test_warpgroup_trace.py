@@ -114,12 +114,12 @@ def test_run_traced_keeps_the_trace_of_the_call_after_the_warmups(
   `run_traced` drops the warm-up calls' traces and keeps the next one's."""
   wt = _script()
   from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
-  from collective_matmul.kernels import common  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import tracing  # pylint: disable=g-import-not-at-top
   calls = []
 
   def kernel(x):
     calls.append(x)
-    trace_dir = common._TRACE.get().dump_dir  # pylint: disable=protected-access
+    trace_dir = tracing._TRACE.get().dump_dir  # pylint: disable=protected-access
     tiles = [(1000, 200)] * len(calls)
     _write_trace(f"{trace_dir}/{len(calls)}-trace.json",
                  [[_tiles(*tiles), [], []]])

@@ -1,10 +1,16 @@
 """Hopper kernels (Pallas Mosaic GPU), their configs and their schedule.
 
 Device code only, plus the pure data it needs: `configs` (the frozen
-per-kernel config classes) and `schedule` (the ring-schedule arithmetic the
-kernels trace). Nothing here imports a module of `collective_matmul` outside
-`kernels/`; which kernel, which config and whether at all is decided above,
-in `collective_matmul.selection`.
+per-kernel config classes, the SM count and the operand dtype rule) and
+`schedule` (the ring-schedule arithmetic the kernels trace). The two
+kernels (`all_gather_matmul`, `matmul_reduce_scatter_kernel`) fill the hooks
+of one skeleton, `ring_skeleton` (tile grid, persistent loop, epilogue
+stores, launch and checks), whose tiles each run the k loop of `pipeline`;
+`tracing` records their phases on device (`trace_warpgroups`) and
+`diagnostics` holds benchmark-only variants (WRONG RESULTS by design).
+Nothing here imports a module of `collective_matmul` outside `kernels/`;
+which kernel, which config and whether at all is decided above, in
+`collective_matmul.selection`.
 
 The kernel modules, and with them Pallas Mosaic GPU, are imported on first
 use of their names, so `import collective_matmul` (which reads `configs` and
@@ -19,7 +25,7 @@ _LAZY = {
     "AllGatherConfig": "configs",
     "ReduceScatterConfig": "configs",
     "TileConfig": "configs",
-    "trace_warpgroups": "common",
+    "trace_warpgroups": "tracing",
 }
 __all__ = sorted(_LAZY)
 
