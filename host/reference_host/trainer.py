@@ -51,35 +51,49 @@ class NonFiniteError(FloatingPointError):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-  """Ctrl-C: training stopped after the step (and the save) in flight."""
+  """Ctrl-C (SIGINT) or SIGTERM: training stopped after the step (and the
+  save) in flight. `signum` is the signal."""
 
-  def __init__(self, message: str, step: int):
+  def __init__(self, message: str, step: int,
+               signum: int = signal.SIGINT):
     super().__init__(message)
     self.step = step
+    self.signum = signum
+
+
+# The signals that stop training after the step and save in flight: Ctrl-C,
+# and SIGTERM, which schedulers send to preempt a job.
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 @contextlib.contextmanager
 def _stop_requests():
-  """Yields a list that the first Ctrl-C (SIGINT) appends to, so the loop
-  can stop after the step and save in flight; a second Ctrl-C interrupts at
-  once. Python's default handler only (not off the main thread, and not if
-  someone else installed a handler)."""
+  """Yields a list that the first Ctrl-C (SIGINT) or SIGTERM appends its
+  signal number to, so the loop can stop after the step and save in flight;
+  a second one interrupts at once. Only where Python's default handlers are
+  installed (and on the main thread): a handler someone else installed is
+  left alone."""
   requests = []
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+  if threading.current_thread() is not threading.main_thread():
     yield requests
     return
+  defaults = {signal.SIGINT: signal.default_int_handler,
+              signal.SIGTERM: signal.SIG_DFL}
+  ours = [signum for signum, default in defaults.items()
+          if signal.getsignal(signum) is default]
 
   def request_stop(signum, frame):
     if requests:
       raise KeyboardInterrupt
     requests.append(signum)
 
-  signal.signal(signal.SIGINT, request_stop)
+  for signum in ours:
+    signal.signal(signum, request_stop)
   try:
     yield requests
   finally:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in ours:
+      signal.signal(signum, defaults[signum])
 
 
 def _non_finite_arrays(tree: Any) -> list[str]:
@@ -363,7 +377,8 @@ class Trainer:
 
     Raises NonFiniteError when a step's loss (or the state about to be
     saved) is nan or inf, before anything of that step is saved; and
-    TrainingInterrupted on Ctrl-C, after the step and save in flight finish.
+    TrainingInterrupted on Ctrl-C or SIGTERM, after the step and save in
+    flight finish.
     """
     self.compile()
     last_step = self.config.steps if num_steps is None else num_steps
@@ -386,14 +401,19 @@ class Trainer:
                 f"saving anything from it ({_newest_checkpoint(checkpointer)})",
                 step)
           last = step == last_step - 1
-          if checkpointer is not None and checkpointer.should_save(
-              step + 1, last=last):
-            self._check_finite_state(state, step, checkpointer)
-            checkpointer.save(step + 1, state, last=last)
+          if checkpointer is not None:
+            # Seals an asynchronous save as soon as orbax has finished it.
+            checkpointer.poll()
+            if checkpointer.should_save(step + 1, last=last):
+              self._check_finite_state(state, step, checkpointer)
+              checkpointer.save(step + 1, state, last=last)
           if stop_requests and not last:
+            if checkpointer is not None:
+              checkpointer.wait_until_finished()
             raise TrainingInterrupted(
-                f"interrupted (Ctrl-C) after step {step}: "
-                f"{_newest_checkpoint(checkpointer)}", step)
+                f"interrupted ({STOP_SIGNALS[stop_requests[0]]}) after step "
+                f"{step}: {_newest_checkpoint(checkpointer)}", step,
+                stop_requests[0])
     finally:
       if checkpointer is not None:
         checkpointer.wait_until_finished()

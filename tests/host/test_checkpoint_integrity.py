@@ -6,8 +6,12 @@ restores from that copy.
 """
 import dataclasses
 import datetime
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -110,21 +114,22 @@ def _assert_same_state(actual, expected):
   jax.tree.map(np.testing.assert_array_equal, _host_copy(actual), expected)
 
 
-# (damage, the bad step, what the report says, the step restored)
+# (damage, the bad step, what the report says, the step restored, where the
+# bad step goes: `.damaged` for this trainer's steps, `.foreign` for a
+# directory it did not write)
 DAMAGES = [
-    ("corrupt_data", 6, "does not match its sha256", 4),
-    ("empty_newer_step", 8, "empty", 6),
-    ("no_metadata", 6, "default/_METADATA is missing", 4),
-    ("no_manifest", 6, "default/manifest.ocdbt is missing", 4),
-    ("unsealed", 6, "no integrity.json", 4),
-    ("corrupt_record", 6, "integrity.json is unreadable", 4),
+    ("corrupt_data", 6, "does not match its sha256", 4, "damaged"),
+    ("empty_newer_step", 8, "empty", 6, "foreign"),
+    ("no_metadata", 6, "default/_METADATA is missing", 4, "damaged"),
+    ("no_manifest", 6, "default/manifest.ocdbt is missing", 4, "damaged"),
+    ("corrupt_record", 6, "integrity.json is unreadable", 4, "damaged"),
 ]
 
 
-@pytest.mark.parametrize("how, bad_step, problem, restored_step", DAMAGES,
-                         ids=[d[0] for d in DAMAGES])
+@pytest.mark.parametrize("how, bad_step, problem, restored_step, aside",
+                         DAMAGES, ids=[d[0] for d in DAMAGES])
 def test_bad_newest_step_is_reported_moved_aside_and_previous_restored(
-    saved_run, tmp_path, how, bad_step, problem, restored_step):
+    saved_run, tmp_path, how, bad_step, problem, restored_step, aside):
   directory = _copy_of(saved_run, tmp_path)
   _damage(directory, how)
   messages = []
@@ -137,7 +142,7 @@ def test_bad_newest_step_is_reported_moved_aside_and_previous_restored(
   assert f"checkpoint step {bad_step} at {bad_dir} is" in messages[0]
   assert problem in messages[0]
   assert f"resuming from step {restored_step}" in messages[0]
-  assert os.path.isdir(bad_dir + checkpoint_lib.DAMAGED_SUFFIX)
+  assert os.path.isdir(f"{bad_dir}.{aside}")
   assert bad_step not in checkpointer.all_steps()
 
 
@@ -171,7 +176,8 @@ def test_no_intact_checkpoint_is_a_clear_error_that_moves_nothing(
   message = str(raised.value)
   assert f"no intact checkpoint in {directory}" in message
   assert "step 6: damaged" in message and "step 4: incomplete" in message
-  assert sorted(os.listdir(directory)) == ["4", "6", "config.yml"]
+  assert sorted(os.listdir(directory)) == [
+      "4", "6", "config.yml", checkpoint_lib.LOCK_FILE]
 
 
 def test_resume_with_another_model_is_refused_naming_the_keys(
@@ -183,7 +189,8 @@ def test_resume_with_another_model_is_refused_naming_the_keys(
   assert directory in message
   assert "base_num_decoder_layers: 1 in the checkpoint, 2 now" in message
   assert "layers_1" in message  # the first array the checkpoint lacks
-  assert sorted(os.listdir(directory)) == ["4", "6", "config.yml"]
+  assert sorted(os.listdir(directory)) == [
+      "4", "6", "config.yml", checkpoint_lib.LOCK_FILE]
 
 
 def test_resume_on_another_mesh_reshards_and_reports_the_change(
@@ -343,3 +350,223 @@ def test_default_run_name_is_fresh_and_explicit_name_is_kept(tmp_path):
 
 def test_base_config_has_no_fixed_run_name():
   assert config_lib.load_config([BASE_CONFIG]).run_name == ""
+
+
+# ---- Issue 33: unsealed steps, verification against the disk, foreign
+# entries, async sealing, the writer lock, storage errors.
+
+
+def _data_files(step_dir: str) -> list[str]:
+  """The step's OCDBT data files (what a restore reads)."""
+  return [os.path.join(root, name) for root, _, names in os.walk(step_dir)
+          for name in names if os.sep + "d" + os.sep in
+          os.path.join(root, name)[len(step_dir):] + os.sep]
+
+
+def test_finished_but_unsealed_step_is_verified_sealed_and_restored(
+    saved_run, tmp_path):
+  """Killed after orbax renamed step 6 but before integrity.json: the step
+  is checked by its content, sealed, and resumed from (it used to be set
+  aside as 'its save did not finish', and a first step so left bricked the
+  run)."""
+  directory = _copy_of(saved_run, tmp_path)
+  step_dir = os.path.join(directory, "6")
+  os.remove(os.path.join(step_dir, checkpoint_lib.INTEGRITY_FILE))
+  messages = []
+  checkpointer, step, state = _restore(saved_run["trainer"], directory,
+                                       messages)
+  assert step == 6
+  _assert_same_state(state, saved_run["states"][6])
+  assert len(messages) == 1, messages
+  assert (f"checkpoint step 6 at {step_dir} was finished by orbax but not "
+          "sealed") in messages[0]
+  assert "resuming from step 6" in messages[0]
+  assert "did not finish" not in messages[0]
+  assert checkpoint_lib.verify_step(step_dir) is None
+  assert checkpointer.all_steps() == [4, 6]
+
+
+def test_unsealed_step_that_does_not_restore_is_set_aside(saved_run,
+                                                          tmp_path):
+  directory = _copy_of(saved_run, tmp_path)
+  step_dir = os.path.join(directory, "6")
+  os.remove(os.path.join(step_dir, checkpoint_lib.INTEGRITY_FILE))
+  for path in _data_files(step_dir):
+    os.truncate(path, 0)
+  messages = []
+  checkpointer, step, state = _restore(saved_run["trainer"], directory,
+                                       messages)
+  assert step == 4
+  _assert_same_state(state, saved_run["states"][4])
+  assert any(f"checkpoint step 6 at {step_dir} is damaged: orbax finished "
+             "it but it does not restore" in m for m in messages), messages
+  assert os.path.isdir(step_dir + checkpoint_lib.DAMAGED_SUFFIX)
+  assert checkpointer.all_steps() == [4]
+
+
+def test_run_whose_only_step_was_never_sealed_and_is_bad_starts_clean(
+    saved_run, tmp_path):
+  """No sealed step and none can be: start from scratch, saying so, with
+  the bad step set aside (it used to be NoIntactCheckpointError forever)."""
+  directory = _copy_of(saved_run, tmp_path)
+  shutil.rmtree(os.path.join(directory, "4"))
+  step_dir = os.path.join(directory, "6")
+  os.remove(os.path.join(step_dir, checkpoint_lib.INTEGRITY_FILE))
+  os.remove(os.path.join(step_dir, "commit_success.txt"))  # orbax's
+  messages = []
+  checkpointer, step, state = _restore(saved_run["trainer"], directory,
+                                       messages)
+  assert (step, state) == (None, None)
+  assert len(messages) == 1, messages
+  assert "orbax did not finish it" in messages[0]
+  assert "starting from scratch" in messages[0]
+  assert os.path.isdir(step_dir + checkpoint_lib.DAMAGED_SUFFIX)
+  assert checkpointer.all_steps() == []
+
+
+def test_record_listing_no_files_does_not_pass(saved_run, tmp_path):
+  """Issue 33's case: 64 bytes flipped in step 6 and its record's file list
+  emptied. It used to verify, and the run continued from corrupted state."""
+  directory = _copy_of(saved_run, tmp_path)
+  step_dir = os.path.join(directory, "6")
+  _overwrite_64_bytes(_largest_file(step_dir))
+  record = checkpoint_lib.read_integrity_record(step_dir)
+  record["files"] = {}
+  # pylint: disable-next=protected-access
+  checkpoint_lib._write_json_atomically(
+      os.path.join(step_dir, checkpoint_lib.INTEGRITY_FILE), record)
+  problem = checkpoint_lib.verify_step(step_dir)
+  assert problem is not None and "does not list" in problem, problem
+  messages = []
+  _, step, state = _restore(saved_run["trainer"], directory, messages)
+  assert step == 4
+  _assert_same_state(state, saved_run["states"][4])
+  assert "integrity.json does not list" in messages[0]
+
+
+def test_file_on_disk_but_not_in_the_record_is_reported(saved_run, tmp_path):
+  directory = _copy_of(saved_run, tmp_path)
+  step_dir = os.path.join(directory, "6")
+  with open(os.path.join(step_dir, "default", "extra.bin"), "wb") as f:
+    f.write(b"not saved by orbax")
+  problem = checkpoint_lib.verify_step(step_dir)
+  assert problem == ("damaged: default/extra.bin is on disk but not in "
+                     "integrity.json")
+  messages = []
+  _, step, _ = _restore(saved_run["trainer"], directory, messages)
+  assert step == 4
+  assert "default/extra.bin is on disk but not in integrity.json" in (
+      messages[0])
+
+
+def test_files_named_like_steps_are_set_aside_never_overwritten(
+    saved_run, tmp_path):
+  """A user's regular file `checkpoints/8` (the next step) and `5`: each is
+  reported and renamed to `.foreign` with its content; step 8 is saved."""
+  directory = _copy_of(saved_run, tmp_path)
+  for name in ("5", "8"):
+    with open(os.path.join(directory, name), "w") as f:
+      f.write(f"user's notes {name}")
+  trainer = saved_run["trainer"]
+  messages = []
+  checkpointer = checkpoint_lib.Checkpointer(trainer.config, directory,
+                                             log=messages.append)
+  state = jax.device_put(saved_run["states"][6], trainer.state_shardings)
+  checkpointer.save(8, state)
+  checkpointer.close()
+  for name in ("5", "8"):
+    path = os.path.join(directory, name)
+    assert any(f"{path} is named like a checkpoint but is a regular file; "
+               f"moved it to {path}.foreign" in m for m in messages), messages
+    with open(path + checkpoint_lib.FOREIGN_SUFFIX) as f:
+      assert f.read() == f"user's notes {name}"
+  assert checkpointer.all_steps() == [6, 8]
+  assert checkpoint_lib.verify_step(os.path.join(directory, "8")) is None
+
+
+def test_rotation_and_cleanup_delete_only_what_this_trainer_wrote(
+    saved_run, tmp_path):
+  """A directory `3` and an unfinished-save name that this trainer did not
+  write survive rotation and the start-up cleanup."""
+  directory = _copy_of(saved_run, tmp_path)
+  foreign_step = os.path.join(directory, "3")
+  os.makedirs(os.path.join(foreign_step, "default"))
+  with open(os.path.join(foreign_step, "default", "mine.txt"), "w") as f:
+    f.write("a user's directory")
+  foreign_tmp = os.path.join(directory, "9.orbax-checkpoint-tmp-5")
+  os.makedirs(foreign_tmp)
+  with open(os.path.join(foreign_tmp, "notes.txt"), "w") as f:
+    f.write("not orbax's")
+  trainer = saved_run["trainer"]
+  messages = []
+  checkpointer = checkpoint_lib.Checkpointer(trainer.config, directory,
+                                             log=messages.append)
+  state = jax.device_put(saved_run["states"][6], trainer.state_shardings)
+  checkpointer.save(8, state)
+  checkpointer.close()
+  assert os.path.isfile(os.path.join(foreign_step, "default", "mine.txt"))
+  assert not os.path.exists(os.path.join(directory, "4"))  # its own: rotated
+  assert os.path.isfile(os.path.join(
+      foreign_tmp + checkpoint_lib.FOREIGN_SUFFIX, "notes.txt"))
+  assert checkpointer.all_steps() == [3, 6, 8]
+
+
+def test_async_save_is_sealed_at_the_first_step_boundary_after_it_finishes(
+    saved_run, tmp_path):
+  """It used to be sealed only when the next save started: a kill in
+  between left a finished step unsealed (and the first one bricked the
+  run)."""
+  trainer = saved_run["trainer"]
+  checkpointer = checkpoint_lib.Checkpointer(
+      trainer.config.replace(async_checkpointing=True),
+      str(tmp_path / "checkpoints"), log=None)
+  sealed_before_the_next_save = []
+
+  def on_record(record):
+    if record.step == 2:  # Step 2's save is in flight: let orbax finish.
+      checkpointer.manager.wait_until_finished()
+    if record.step == 3:  # After the boundary of step 2, before save 4.
+      sealed_before_the_next_save.append(checkpoint_lib.verify_step(
+          checkpointer.step_directory(2)))
+
+  trainer.train(trainer.init_state(), 4, checkpointer=checkpointer,
+                log=None, on_record=on_record)
+  checkpointer.close()
+  assert sealed_before_the_next_save == [None]
+
+
+def test_second_writer_is_refused_naming_the_owner(saved_run, tmp_path):
+  directory = str(tmp_path / "checkpoints")
+  trainer = saved_run["trainer"]
+  first = checkpoint_lib.Checkpointer(trainer.config, directory, log=None)
+  with pytest.raises(checkpoint_lib.RunLockedError) as raised:
+    checkpoint_lib.Checkpointer(trainer.config, directory, log=None)
+  message = str(raised.value)
+  assert "\n" not in message
+  assert (f"{directory} is in use by another trainer: pid {os.getpid()} on "
+          f"host {socket.gethostname()}") in message
+  first.close()
+  checkpoint_lib.Checkpointer(trainer.config, directory, log=None).close()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(
+    saved_run, tmp_path):
+  directory = tmp_path / "checkpoints"
+  directory.mkdir()
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  dead_pid = int(dead.stdout)
+  (directory / checkpoint_lib.LOCK_FILE).write_text(json.dumps(
+      {"host": socket.gethostname(), "pid": dead_pid,
+       "since": "2025-01-30T12:00:00"}))
+  messages = []
+  checkpointer = checkpoint_lib.Checkpointer(
+      saved_run["trainer"].config, str(directory), log=messages.append)
+  assert messages == [
+      f"note: took over {directory / checkpoint_lib.LOCK_FILE} from pid "
+      f"{dead_pid} on host {socket.gethostname()} (since "
+      "2025-01-30T12:00:00), which is no longer running"]
+  owner = json.loads((directory / checkpoint_lib.LOCK_FILE).read_text())
+  assert owner["pid"] == os.getpid()
+  checkpointer.close()
+  assert (directory / checkpoint_lib.LOCK_FILE).read_text() == ""

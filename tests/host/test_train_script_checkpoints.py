@@ -79,8 +79,12 @@ def test_killed_during_a_save_then_resumes(tmp_path):
   process.send_signal(signal.SIGKILL)
   process.wait(timeout=60)
   leftovers = _unfinished_saves(directory)
+  # Sealed steps, and a step orbax finished that the kill left unsealed: the
+  # restart verifies its content and seals it.
   intact = [step for step in _steps(directory)
             if checkpoint_lib.verify_step(
+                os.path.join(directory, str(step))) is None
+            or checkpoint_lib.unsealed_step_problem(
                 os.path.join(directory, str(step))) is None]
   newest_seen = max(_steps(directory) + [
       int(name.split(".")[0]) for name in leftovers])
