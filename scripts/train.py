@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import logging as py_logging
 import os
 import signal
 import sys
@@ -121,6 +122,22 @@ def _train(argv: list[str]) -> int:
   # allocated or written.
   trainer_lib.check_fits_memory(config, jax.devices())
   config = _with_run_name(config)
+  # Before the first step: the run's directory is writable, and this is its
+  # only writer (the Checkpointer checks and locks its own directory too).
+  run_lock = None
+  if jax.process_index() == 0:
+    run_dir = checkpoint_lib.check_writable_directory(
+        os.path.join(config.base_output_directory, config.run_name),
+        "output directory")
+    run_lock = checkpoint_lib.RunLock(run_dir, log=_log).acquire()
+  try:
+    return _train_locked(config)
+  finally:
+    if run_lock is not None:
+      run_lock.release()
+
+
+def _train_locked(config: config_lib.Config) -> int:
   collective_config = cm.get_config()
   trainer = trainer_lib.Trainer(config, collective_config)
   config = trainer.config
@@ -135,6 +152,15 @@ def _train(argv: list[str]) -> int:
   checkpointer = None
   if config.enable_checkpointing:
     checkpointer = checkpoint_lib.Checkpointer(config, log=_log)
+  try:
+    return _train_with(config, trainer, collective_config, checkpointer)
+  finally:
+    if checkpointer is not None:
+      checkpointer.close()
+
+
+def _train_with(config, trainer, collective_config, checkpointer) -> int:
+  if checkpointer is not None:
     state, resumed = trainer.restore_or_init(checkpointer)
     _log(f"resumed from checkpoint step {resumed} in {checkpointer.directory}"
          if resumed is not None else
@@ -211,6 +237,9 @@ def main(argv: list[str]) -> int:
     # Quiet by default: progress lines and the decision table on stdout;
     # --verbosity=0 shows JAX's and orbax's INFO log, --v=1 each decision.
     logging.set_verbosity(logging.WARNING)
+    # orbax logs a failed save with its traceback before raising it; the
+    # Checkpointer reports that failure in one line (path and cause).
+    logging.get_absl_handler().addFilter(_OrbaxErrorsReportedByUs())
   if _DISTRIBUTED.value:
     try:
       jax.distributed.initialize()
@@ -230,6 +259,12 @@ def main(argv: list[str]) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  except checkpoint_lib.StorageError as e:
+    print(f"storage error: {e}", file=sys.stderr)
+    return 1
+  except checkpoint_lib.RunLockedError as e:
+    print(f"refused: {e}", file=sys.stderr)
+    return 1
   except checkpoint_lib.CheckpointError as e:
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1
@@ -238,7 +273,14 @@ def main(argv: list[str]) -> int:
     return 1
   except KeyboardInterrupt as e:  # trainer_lib.TrainingInterrupted too
     print(str(e) or "interrupted (Ctrl-C)", file=sys.stderr)
-    return 130
+    return 128 + getattr(e, "signum", signal.SIGINT)
+  except OSError as e:
+    cause = checkpoint_lib.storage_cause(e)
+    if cause is None:
+      raise
+    where = e.filename or "the output"
+    print(f"storage error: cannot write {where}: {cause}", file=sys.stderr)
+    return 1
   except ValueError as e:
     if not _is_strict_fallback(e):
       raise
@@ -246,6 +288,15 @@ def main(argv: list[str]) -> int:
           "fallback; without it the layer falls back as recorded)",
           file=sys.stderr)
     return 1
+
+
+class _OrbaxErrorsReportedByUs(py_logging.Filter):
+  """Drops orbax's logged errors with tracebacks: the exception reaches the
+  Checkpointer, which reports it in one line."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return not (record.exc_info and record.levelno >= py_logging.ERROR
+                and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 # The plugin's flags are this program's own: listed by --help, not only

@@ -1,11 +1,15 @@
 """scripts/train.py when a run is killed, interrupted, diverges, or meets a
 checkpoint of another run."""
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from reference_host import checkpoint as checkpoint_lib
 
@@ -171,3 +175,78 @@ def test_diverging_run_exits_nonzero_with_one_line(tmp_path):
   assert len(stopped) == 1, run.stderr
   directory = os.path.join(tmp_path, "diverge", "checkpoints")
   assert _steps(directory) == list(range(1, int(stopped[0]) + 1))
+
+
+def test_second_trainer_is_refused_and_sigterm_stops_the_first_cleanly(
+    tmp_path):
+  """Issue 33: a second trainer on the run used to delete the first's save
+  in flight; now it is refused in one line naming the owner. SIGTERM (a
+  scheduler's preemption) then stops the first like Ctrl-C: the step and
+  its save finish, one line, exit 128 + 15 (it used to kill at once)."""
+  process, directory, out, err = _start_and_catch_a_save(tmp_path)
+  second = _run(f"base_output_directory={tmp_path}", "run_name=long",
+                "checkpoint_period=1", "steps=3")
+  assert second.returncode == 1, second.stdout + second.stderr
+  assert "Traceback" not in second.stderr
+  refused = [line for line in second.stderr.splitlines()
+             if line.startswith("refused: ")]
+  assert len(refused) == 1, second.stderr
+  assert (f"{tmp_path / 'long'} is in use by another trainer: pid "
+          f"{process.pid} on host {socket.gethostname()}") in refused[0]
+  assert "removed an unfinished save" not in second.stdout
+  assert process.poll() is None, err.read_text()
+
+  process.send_signal(signal.SIGTERM)
+  assert _wait_or_dump_stacks(process, err, 120) == 128 + signal.SIGTERM, (
+      err.read_text())
+  stderr = err.read_text()
+  assert "Traceback" not in stderr, stderr
+  stopped = re.findall(r"^interrupted \(SIGTERM\) after step (\d+): newest "
+                       r"checkpoint: step (\d+) in (\S+)$", stderr, re.M)
+  assert len(stopped) == 1, stderr
+  step, newest, where = stopped[0]
+  assert int(newest) == int(step) + 1 and where == directory
+  assert not _unfinished_saves(directory)
+  for saved in _steps(directory):
+    assert checkpoint_lib.verify_step(
+        os.path.join(directory, str(saved))) is None
+  steps_in_metrics = [json.loads(line)["step"] for line in
+                      (tmp_path / "long" / "metrics.jsonl").read_text()
+                      .splitlines()]
+  assert steps_in_metrics == list(range(int(step) + 1))
+
+
+def test_output_directory_under_a_file_is_one_line(tmp_path):
+  (tmp_path / "a_file").write_text("not a directory")
+  run = _run(f"base_output_directory={tmp_path / 'a_file'}", "run_name=r",
+             "steps=1")
+  assert run.returncode == 1, run.stdout + run.stderr
+  assert "Traceback" not in run.stderr, run.stderr
+  assert run.stderr.strip().splitlines() == [
+      f"storage error: cannot use {tmp_path / 'a_file' / 'r'} as the output "
+      f"directory: {tmp_path / 'a_file'} is a file, not a directory (ENOTDIR)"]
+
+
+def test_full_disk_is_one_line(tmp_path):
+  """A checkpoint (1.3 MB) does not fit on a 512 KiB file system: one line
+  naming the path and ENOSPC, where it used to be 2,100-2,600 lines."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs",
+                     str(disk)], capture_output=True,
+                    check=False).returncode != 0:
+    pytest.skip("needs a small tmpfs (mount as root); "
+                "test_checkpoint_storage.py injects ENOSPC instead")
+  try:
+    run = _run(f"base_output_directory={disk}", "run_name=full", "steps=2",
+               "checkpoint_period=1")
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+  assert run.returncode == 1, run.stdout + run.stderr
+  assert "Traceback" not in run.stderr, run.stderr[-3000:]
+  lines = run.stderr.strip().splitlines()
+  assert len(lines) == 1, run.stderr[-3000:]
+  assert lines[0].startswith(
+      f"storage error: cannot write checkpoint step 1 to {disk}/full/"
+      "checkpoints")
+  assert lines[0].endswith("No space left on device (ENOSPC)")
