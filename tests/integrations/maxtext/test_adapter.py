@@ -1,5 +1,8 @@
 """The MaxText adapter's guard, install and uninstall, in process."""
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -58,3 +61,64 @@ def test_install_is_idempotent_and_uninstall_restores(linears):
   cm_maxtext.uninstall()
   assert current() == originals
   assert attention_op.tokamax_pallas_triton is triton
+
+
+def _fake_version(monkeypatch, version="0.3.0.dev0"):
+  monkeypatch.setattr(adapter.importlib.metadata, "version",
+                      lambda name: version)
+  return version
+
+
+def _warnings(monkeypatch):
+  said = []
+  monkeypatch.setattr(adapter.logging, "warning",
+                      lambda message, *args: said.append(message % args))
+  return said
+
+
+def test_an_untested_version_refused_by_default_says_how_to_allow_it(
+    monkeypatch):
+  _fake_version(monkeypatch)
+  monkeypatch.delenv(adapter.ALLOW_UNTESTED_ENV, raising=False)
+  with pytest.raises(cm_maxtext.MaxTextVersionError,
+                     match="--maxtext_allow_untested_version"):
+    cm_maxtext.install()
+  assert not cm_maxtext.is_installed()
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_an_untested_version_with_matching_signatures_installs_when_allowed(
+    linears, monkeypatch, how):
+  version = _fake_version(monkeypatch)
+  said = _warnings(monkeypatch)
+  if how == "environment":
+    monkeypatch.setenv(adapter.ALLOW_UNTESTED_ENV, "1")
+    assert cm_maxtext.install() == version
+  else:
+    monkeypatch.delenv(adapter.ALLOW_UNTESTED_ENV, raising=False)
+    assert cm_maxtext.install(allow_untested_version=True) == version
+  assert cm_maxtext.is_installed()
+  assert len(said) == 1, said
+  assert version in said[0] and "tested: 0.2.5" in said[0]
+
+
+def test_an_allowed_untested_version_with_a_changed_signature_is_refused(
+    linears, monkeypatch):
+  _fake_version(monkeypatch)
+  said = _warnings(monkeypatch)
+  monkeypatch.setattr(linears, "_compute_dot_general_nnx",
+                      lambda inputs, kernel, new_argument: None)
+  with pytest.raises(cm_maxtext.MaxTextVersionError,
+                     match="_compute_dot_general_nnx.*new_argument"):
+    cm_maxtext.install(allow_untested_version=True)
+  assert not cm_maxtext.is_installed() and not said
+
+
+def test_the_launchers_help_exits_0_and_lists_the_launchers_flags():
+  run = subprocess.run(
+      [sys.executable, "-m", "collective_matmul.integrations.maxtext",
+       "--help"], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "--maxtext_allow_untested_version" in run.stdout
+  assert "--use_collective_matmul" in run.stdout

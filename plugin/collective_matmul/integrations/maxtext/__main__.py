@@ -3,13 +3,16 @@
     python -m collective_matmul.integrations.maxtext \\
         <maxtext>/configs/base.yml key=value ... \\
         [--use_collective_matmul] [--collective_matmul_impl=auto|pallas|ring|baseline] \\
-        [--collective_matmul_strict] [--maxtext_shard_gpu_attention]
+        [--collective_matmul_strict] [--maxtext_shard_gpu_attention] \\
+        [--maxtext_allow_untested_version]
 
 MaxText's own command line is passed through unchanged; the plugin's absl
 flags may appear anywhere in it. After each compile that traced projections,
 the decision record (what was rewritten, with which implementation, or why
 not) is printed once, and so is what `--maxtext_shard_gpu_attention` did
-with each flash attention call (`attention`).
+with each flash attention call (`attention`). The run ends with a summary:
+the projections rewritten or left (with reasons) and the plugin's settings.
+MaxText logs its whole config first; `log_config=False` skips that.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import collective_matmul as cm
 from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
 from collective_matmul.integrations.maxtext import attention
+from collective_matmul.integrations.maxtext import launcher
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _PROGRAM = "python -m collective_matmul.integrations.maxtext"
@@ -51,8 +55,8 @@ def usage() -> str:
   """The launcher's usage and the plugin's flags, which need no MaxText
   (MaxText's own flags are listed by --help where MaxText is installed)."""
   plugin_flags = "\n\n".join(
-      flags.FLAGS.module_help(module).strip() for module in (cm.flags,
-                                                             attention))
+      flags.FLAGS.module_help(module).strip()
+      for module in (cm.flags, attention, launcher))
   return f"{__doc__.strip()}\n\nflags:\n\n{plugin_flags}\n"
 
 
@@ -78,13 +82,17 @@ def print_decisions_after_compiles() -> None:
     if table not in printed["tables"]:
       printed["tables"].add(table)
       print(table, flush=True)
+      if not any(record.rewritten for record in new):
+        print(f"collective matmul: {launcher.NOTHING_REWRITTEN_HINT}",
+              flush=True)
 
   jax.monitoring.register_event_duration_secs_listener(on_event)
 
 
 def main(argv: Sequence[str]) -> None:
   try:
-    version = adapter.install()
+    version = adapter.install(
+        True if launcher.ALLOW_UNTESTED_VERSION.value else None)
   except adapter.MaxTextVersionError as e:
     print(f"{_PROGRAM}: {e}", file=sys.stderr)
     sys.exit(2)
@@ -94,9 +102,19 @@ def main(argv: Sequence[str]) -> None:
         f"sharded GPU flash attention "
         f"{'on' if attention.enabled() else 'off'}"
         f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+  if not any(arg.partition("=")[0] == "log_config" for arg in argv[1:]):
+    print(launcher.CONFIG_DUMP_POINTER, flush=True)
   print_decisions_after_compiles()
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
-  train.main(list(argv))
+  try:
+    train.main(list(argv))
+  except cm.StrictFallbackError as e:
+    print(f"{_PROGRAM}: {str(e).splitlines()[0]} (--collective_matmul_strict "
+          "refuses a fallback; without it the projection falls back as "
+          "recorded)", file=sys.stderr)
+    sys.exit(1)
+  print(launcher.summary(cm.decisions(), config, version,
+                         attention.enabled()), flush=True)
 
 
 def _kernels_may_run(argv: Sequence[str]) -> bool:
@@ -132,7 +150,14 @@ def run() -> None:
   # MaxText's modules define absl flags of their own: import them before
   # absl parses the command line.
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top,unused-import
-  app.run(main, argv=sys.argv)
+  try:
+    app.run(main, argv=sys.argv)
+  except SystemExit as e:
+    # absl ends --help with status 1; asking for help is not an error.
+    if e.code == 1 and any(arg.partition("=")[0] in _HELP_FLAGS
+                           for arg in sys.argv[1:]):
+      sys.exit(0)
+    raise
 
 
 if __name__ == "__main__":

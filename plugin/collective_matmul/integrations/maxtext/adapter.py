@@ -24,9 +24,11 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
+import os
 import threading
 from typing import Any, Callable, Iterator
 
+from absl import logging
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -38,8 +40,13 @@ from collective_matmul.integrations.maxtext import attention
 from collective_matmul.integrations.maxtext import projections
 
 # Versions whose private names this adapter was written against and tested
-# with (tests/integrations/maxtext). Others are refused, not guessed at.
+# with (tests/integrations/maxtext). Others are refused, not guessed at,
+# unless the user allows an untested one (MaxText from source): then every
+# signature check must still pass.
 SUPPORTED_MAXTEXT_VERSIONS = ("0.2.5",)
+# `install(allow_untested_version=None)` reads this environment variable
+# ("1" allows); the launcher's --maxtext_allow_untested_version sets it.
+ALLOW_UNTESTED_ENV = "CM_MAXTEXT_ALLOW_UNTESTED_VERSION"
 
 # The parameters of each patched private name in MaxText 0.2.5: exactly
 # these (the adapter calls them with all of them), or at least these.
@@ -122,24 +129,43 @@ def _maxtext_modules():
   return linears, attentions, moe, nnx_decoders, attention_op
 
 
-def check_maxtext() -> str:
+def allow_untested_from_environment() -> bool:
+  """Whether `ALLOW_UNTESTED_ENV` allows an untested MaxText version."""
+  value = os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower()
+  return value in ("1", "true", "yes")
+
+
+def check_maxtext(allow_untested_version: bool | None = None) -> str:
   """The installed MaxText version, after checking it can be patched.
 
+  Args:
+    allow_untested_version: proceed with a version not in
+      `SUPPORTED_MAXTEXT_VERSIONS` (e.g. MaxText installed from git) when
+      every patched private name has the parameters the adapter expects;
+      one warning names the tested versions. None: `ALLOW_UNTESTED_ENV`.
+
   Raises:
-    MaxTextVersionError: MaxText is missing, its version is not supported,
-      or a patched private function's signature changed.
+    MaxTextVersionError: MaxText is missing, its version is not supported
+      (and not allowed), or a patched private function's signature changed.
   """
+  if allow_untested_version is None:
+    allow_untested_version = allow_untested_from_environment()
   try:
     version = importlib.metadata.version("maxtext")
   except importlib.metadata.PackageNotFoundError as e:
     raise MaxTextVersionError(
         "MaxText is not installed: pip install 'collective-matmul[maxtext]' "
         "(Python >= 3.12)") from e
-  if version not in SUPPORTED_MAXTEXT_VERSIONS:
+  tested = ", ".join(SUPPORTED_MAXTEXT_VERSIONS)
+  untested = version not in SUPPORTED_MAXTEXT_VERSIONS
+  if untested and not allow_untested_version:
     raise MaxTextVersionError(
         f"MaxText {version} is not supported by collective_matmul's MaxText "
-        f"adapter (supported: {', '.join(SUPPORTED_MAXTEXT_VERSIONS)}): it "
-        "patches private MaxText functions whose signatures it must know")
+        f"adapter (tested: {tested}): it patches private MaxText functions "
+        "whose signatures it must know. To try it at your own risk (e.g. "
+        "MaxText from source), pass --maxtext_allow_untested_version to the "
+        f"launcher or set {ALLOW_UNTESTED_ENV}=1; the signatures are still "
+        "checked")
   modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders",
                       "attention_op"), _maxtext_modules()))
   for module_name, path, how, expected in _EXPECTED_PARAMETERS:
@@ -159,6 +185,13 @@ def check_maxtext() -> str:
       raise MaxTextVersionError(
           f"MaxText {version}: {module_name}.{path} has parameters {names}, "
           f"the adapter expects {how} {expected}")
+  if untested:
+    logging.warning(
+        "collective matmul: MaxText %s is untested (tested: %s); allowed by "
+        "--maxtext_allow_untested_version / %s, and the signatures of the "
+        "private functions it patches match. Compare its losses with the "
+        "plugin off (scripts/maxtext_ab.py) before trusting it.", version,
+        tested, ALLOW_UNTESTED_ENV)
   return version
 
 
@@ -172,12 +205,15 @@ def is_installed() -> bool:
   return bool(_originals)
 
 
-def install() -> str:
+def install(allow_untested_version: bool | None = None) -> str:
   """Routes MaxText's dense projections through the plugin; idempotent.
 
   The plugin's configuration (`--use_collective_matmul` once absl parsed the
   flags, or `set_config` / `config_context`) is read when MaxText's step is
   traced: with it off, MaxText runs its own code.
+
+  Args:
+    allow_untested_version: see `check_maxtext` (None: the environment).
 
   Returns:
     The MaxText version patched.
@@ -185,7 +221,7 @@ def install() -> str:
   Raises:
     MaxTextVersionError: see `check_maxtext`.
   """
-  version = check_maxtext()
+  version = check_maxtext(allow_untested_version)
   if is_installed():
     return version
   linears, attentions, moe, nnx_decoders, _ = _maxtext_modules()
