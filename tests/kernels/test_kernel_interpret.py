@@ -172,7 +172,6 @@ def test_a_pallas_mlp_trains_forward_and_backward(save_gathered, keys,
   """value_and_grad through both ops with impl="pallas" (4 kernel calls:
   each op's kernel forward, the other one transposed in the backward)
   against the same MLP in f32, at D = 1."""
-  from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   # The ops refuse impl="pallas" off a Hopper GPU; here it is interpreted.
   monkeypatch.setattr(selection, "device_facts",
                       lambda mesh=None: selection.DeviceFacts(

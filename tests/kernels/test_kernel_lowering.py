@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
+from collective_matmul import selection
 
 from cm_test_utils import kernel_configs
 from cm_test_utils import pallas_mlp
@@ -101,7 +102,6 @@ def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
                                                            monkeypatch):
   """value_and_grad through both ops with impl="pallas": the forward's two
   kernels and the backward's transposed ones, lowered as one program."""
-  from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   # The ops refuse impl="pallas" where no Hopper GPU is; here nothing runs.
   monkeypatch.setattr(selection, "device_facts",
                       lambda mesh=None: selection.DeviceFacts(

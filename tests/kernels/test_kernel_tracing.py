@@ -24,7 +24,6 @@ from cm_test_utils import pallas_mlp
 def _describe_a_hopper_machine(monkeypatch):
   """The ops refuse impl="pallas" where no Hopper GPU is; these tests only
   trace the kernels' Python (abstract evaluation, nothing is lowered)."""
-  from collective_matmul import ops  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(selection, "device_facts",
                       lambda mesh=None: selection.DeviceFacts(
                           "gpu", "NVIDIA H200", 132, 1, 8))

@@ -117,7 +117,7 @@ def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
 
   * with the balanced dedicated senders (by rows, several waves per step),
     also where the pipeline's steps are no multiple of its depth
-    (`kernels` then chains with an offset);
+    (the kernels then chain with an offset);
   * with the tiles' own sends released in their k step (`eager_release`),
     up to `CHAIN_EAGER_MAX_N` columns and where the k steps are a multiple
     of the pipeline depth.
