@@ -43,7 +43,9 @@ setup(
             "Jinja2==3.1.6", "huggingface_hub==2.4.0",
             "transformers==5.24.0", "grain==0.2.18", "drjax==0.2.1",
             "pillow==13.0.0", "tiktoken==0.14.0", "sentencepiece==0.2.3",
-            "sympy==1.14.0", "ml_collections==1.1.0")],
+            "sympy==1.14.0", "ml_collections==1.1.0",
+            # scripts/maxtext_ab.py's ab.png.
+            "matplotlib>=3.8")],
         "plot": ["matplotlib>=3.8"],
     },
 )

@@ -4,6 +4,10 @@ plugin off, plugin on, and (optionally) XLA's windowed einsum.
     python scripts/maxtext_ab.py --out DIR [--arms off,auto,windowed] \\
         -- <maxtext>/configs/base.yml key=value ...
 
+It ends with one verdict line per arm: whether its losses match the
+baseline's, and which arm is faster and by how much. On CPU devices the
+step times do not measure the GPU overlap (the report and plot say so).
+
 Each arm runs `python -m collective_matmul.integrations.maxtext` with the
 MaxText arguments given (plus run_name, metrics_file and output directory)
 under its own timeout, and the report compares MaxText's own per-step
@@ -152,14 +156,27 @@ def merge_rounds(runs: list[dict]) -> dict:
   return merged
 
 
-def _profile_lib():
+def _reference_host():
+  """The reference_host package (installed, or from the checkout)."""
   try:
-    from reference_host import profile  # pylint: disable=g-import-not-at-top
+    import reference_host  # pylint: disable=g-import-not-at-top
   except ImportError:  # Not installed: from the checkout.
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "host"))
-    from reference_host import profile  # pylint: disable=g-import-not-at-top
+    import reference_host  # pylint: disable=g-import-not-at-top
+  return reference_host
+
+
+def _profile_lib():
+  _reference_host()
+  from reference_host import profile  # pylint: disable=g-import-not-at-top
   return profile
+
+
+def _ab_lib():
+  _reference_host()
+  from reference_host import ab  # pylint: disable=g-import-not-at-top
+  return ab
 
 
 def _breakdown(run_dir: str, steps: int) -> dict:
@@ -252,6 +269,7 @@ def markdown(result: dict) -> str:
               "every other round)" if result.get("rounds", 1) > 1 else ""),
            f"- losses match: relative difference per step <= "
            f"{LOSS_RTOL.get(result['dtype'], 2e-2)} ({result['dtype']})", "",
+           *[f"**{line}**" for line in verdicts(result)], "",
            "| arm | median step (ms) | vs off | baseline | vs baseline | "
            "max rel. loss diff | final loss |",
            "|---|---|---|---|---|---|---|"]
@@ -307,46 +325,111 @@ def markdown(result: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: str) -> bool:
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
+def on_cpu(result: dict) -> bool:
+  """Whether the A/B ran on CPU devices (`result["machine"]`)."""
+  return " x cpu," in result["machine"].lower()
+
+
+def verdicts(result: dict) -> list[str]:
+  """One line per arm against its baseline: do the losses match, which is
+  faster and by how much; on CPU, what those step times do not measure."""
+  ab_lib = _ab_lib()
+  tolerance = LOSS_RTOL.get(result["dtype"], 2e-2)
+  lines = []
+  for row in result["comparison"]["rows"]:
+    if row["arm"] == row["baseline"]:
+      continue
+    diff = row["max_rel_loss_diff"]
+    losses = ("losses: no steps to compare" if diff is None else
+              f"losses {'match' if row['losses_match'] else 'DO NOT match'}"
+              f" (max relative difference {diff:.2e}, tolerance "
+              f"{tolerance:.0e})")
+    lines.append(f"{row['arm']} vs {row['baseline']}: {losses}; "
+                 + ab_lib.speed_verdict(row["ratio_vs_baseline"], row["arm"],
+                                        row["baseline"])
+                 + " (median step time)")
+  if on_cpu(result):
+    lines.append(ab_lib.CPU_STEP_TIME_CAVEAT)
+  return lines
+
+
+def figure(result: dict):
+  """Step times, losses and each arm's loss minus its baseline's per step
+  (and with rounds, each round's median); matplotlib's Figure."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
   rounds = result.get("rounds", 1) > 1
-  fig, axes = plt.subplots(1, 3 if rounds else 2,
-                           figsize=(16 if rounds else 11, 4))
-  ax_t, ax_l = axes[0], axes[1]
+  fig, axes = plt.subplots(1, 4 if rounds else 3,
+                           figsize=(20 if rounds else 15, 4.6))
+  ax_t, ax_l, ax_d = axes[0], axes[1], axes[2]
   if rounds:  # Each round's median per arm: the drift the rounds average.
     for arm in result["arms"]:
       medians = [r["median_step_ms"] for r in arm.get("rounds", [])]
-      axes[2].plot(range(1, len(medians) + 1), medians, marker="o",
+      axes[3].plot(range(1, len(medians) + 1), medians, marker="o",
                    label=arm["arm"])
-    axes[2].set_xticks(range(1, result["rounds"] + 1))
-    axes[2].set(xlabel="round", ylabel="median step time (ms)",
+    axes[3].set_xticks(range(1, result["rounds"] + 1))
+    axes[3].set(xlabel="round", ylabel="median step time (ms)",
                 title="each round's median (order reversed every other)")
-    axes[2].legend()
+    axes[3].legend()
+  by_name = {a["arm"]: a for a in result["arms"]}
+  baselines = result.get("baselines", {})
   for arm in result["arms"]:
     times = [1e3 * t for t in arm["step_times_s"]][WARMUP_STEPS:]
     ax_t.plot(range(WARMUP_STEPS, WARMUP_STEPS + len(times)), times,
               marker=".", label=f"{arm['arm']} ("
               + ("pooled " if rounds else "")
               + f"median {_fmt(arm['median_step_ms'], '.1f')} ms)")
-    ax_l.plot(arm["losses"], marker=".", label=arm["arm"])
+    ax_l.plot(range(len(arm["losses"])), arm["losses"], marker=".",
+              label=arm["arm"])
+    base = by_name[baseline_of(arm["arm"], baselines)]
+    if base is not arm:
+      n = min(len(arm["losses"]), len(base["losses"]))
+      ax_d.plot(range(n), [arm["losses"][i] - base["losses"][i]
+                           for i in range(n)], marker=".",
+                label=f"{arm['arm']} - {base['arm']}")
+  ax_d.axhline(0.0, color="gray", linewidth=0.8)
   ax_t.set(xlabel="step", ylabel="step time (ms)",
            title="MaxText step time per arm" + (" (round 1)" if rounds
                                                else ""))
   ax_l.set(xlabel="step", ylabel="loss", title="loss per arm")
-  ax_t.legend(), ax_l.legend()
-  fig.suptitle(result["title"])
+  ax_d.set(xlabel="step", ylabel="loss difference",
+           title="loss minus the baseline's")
+  for ax in (ax_t, ax_l, ax_d):
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend()
+  lines = [result["title"]] if result["title"] else []
+  lines += [line for line in verdicts(result)
+            if line != _ab_lib().CPU_STEP_TIME_CAVEAT]
+  if on_cpu(result):
+    lines.append("CPU: step times do not measure the GPU overlap; GPU "
+                 "figures: benchmarks/RESULTS.md")
+  fig.suptitle("\n".join(lines), fontsize=9)
   fig.tight_layout()
+  return fig
+
+
+def plot(result: dict, path: str) -> bool:
+  """Writes `figure(result)` to `path`; False, saying why, without
+  matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print(f"no {path}: matplotlib is not installed (pip install matplotlib; "
+          "the maxtext and plot extras include it)", flush=True)
+    return False
+  fig = figure(result)
   fig.savefig(path, dpi=110)
+  plt.close(fig)
   return True
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (README's commands are parsed with it)."""
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", required=True)
   parser.add_argument("--arms", default="off,auto,windowed",
                       help=f"comma-separated: {sorted(ARMS)}")
@@ -369,6 +452,11 @@ def main() -> int:
                       "reversed every other round; step times are pooled "
                       "(only the first round is profiled)")
   parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
+  return parser
+
+
+def main() -> int:
+  parser = build_parser()
   args = parser.parse_args()
   maxtext_args = [a for a in args.maxtext_args if a != "--"]
   arms = args.arms.split(",") + args.arm
@@ -434,6 +522,10 @@ def main() -> int:
   with open(os.path.join(args.out, "report.md"), "w") as f:
     f.write(report)
   print(report)
+  for line in verdicts(result):
+    print(line)
+  print(f"written: {os.path.join(args.out, 'report.md')}, ab.json"
+        + (", ab.png" if plotted else ""))
   return 0 if result["comparison"]["ok"] else 1
 
 

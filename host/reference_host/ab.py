@@ -26,6 +26,30 @@ from reference_host import trainer as trainer_lib
 # types round each partial product.
 DEFAULT_RELATIVE_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2,
                                    "float16": 1e-2}
+# Said by every report and plot of an A/B run on CPU devices.
+CPU_STEP_TIME_CAVEAT = (
+    "CPU devices: step times here do not measure the GPU overlap (the ring "
+    "is a sequence of ppermutes between emulated devices sharing the host's "
+    "cores, so the collective arm is usually slower); GPU figures are in "
+    "benchmarks/RESULTS.md")
+
+
+def speed_verdict(ratio: float | None, arm: str = "collective",
+                  baseline: str = "baseline") -> str:
+  """'collective is 4.3 % faster than baseline' from arm / baseline median
+  step time (< 1: the arm is faster)."""
+  if ratio is None:
+    return f"{arm} vs {baseline}: no step time to compare"
+  if abs(ratio - 1) < 5e-4:
+    return f"{arm} and {baseline} take the same time per step"
+  if ratio < 1:
+    return f"{arm} is {100 * (1 - ratio):.1f} % faster than {baseline}"
+  return f"{arm} is {100 * (ratio - 1):.1f} % slower than {baseline}"
+
+
+def on_cpu(device_kind: str) -> bool:
+  """Whether a device kind (jax's `device_kind`) is a CPU."""
+  return "cpu" in device_kind.lower()
 
 
 @dataclasses.dataclass
@@ -74,6 +98,11 @@ class ABResult:
   def step_time_ratio(self) -> float:
     """Collective median step time / baseline median (< 1: faster)."""
     return self.collective_times["median_s"] / self.baseline_times["median_s"]
+
+  @property
+  def speed_verdict(self) -> str:
+    return speed_verdict(self.step_time_ratio,
+                         f"collective ({self.collective_config.impl})")
 
   @property
   def rewritten_layers(self) -> list[str]:
@@ -235,8 +264,10 @@ def _summary_lines(result: ABResult) -> list[str]:
       f"{1e3 * b['stdev_s']:.2f}); collective {1e3 * c['median_s']:.2f} ms "
       f"(min {1e3 * c['min_s']:.2f}, max {1e3 * c['max_s']:.2f}, stdev "
       f"{1e3 * c['stdev_s']:.2f}); ratio collective/baseline "
-      f"{result.step_time_ratio:.3f} (first step left out)",
-  ] + ([result.profile["comparison"].sentence()] if result.profile else [])
+      f"{result.step_time_ratio:.3f} (first step left out): "
+      f"{result.speed_verdict}",
+  ] + ([CPU_STEP_TIME_CAVEAT] if on_cpu(result.device_kind) else []) + (
+      [result.profile["comparison"].sentence()] if result.profile else [])
 
 
 def summary(result: ABResult) -> str:
@@ -257,6 +288,9 @@ def to_json(result: ABResult, command: str | None) -> dict:
       "baseline_compile_s": result.baseline_compile_s,
       "collective_compile_s": result.collective_compile_s,
       "step_time_ratio": result.step_time_ratio,
+      "speed_verdict": result.speed_verdict,
+      "step_time_caveat": (CPU_STEP_TIME_CAVEAT
+                            if on_cpu(result.device_kind) else None),
       "baseline_step_times": result.baseline_times,
       "collective_step_times": result.collective_times,
       "max_relative_loss_diff": result.max_relative_loss_diff,
@@ -424,36 +458,66 @@ def _markdown(result: ABResult, command: str | None, png_name: str | None
   return "\n".join(lines) + "\n"
 
 
-def _plot(result: ABResult, path: str) -> bool:
-  """Loss curves overlaid and step-time distributions; False without
-  matplotlib (an optional dependency)."""
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    logging.warning("matplotlib is not installed: no PNG written to %s", path)
-    return False
+def plot_title(result: ABResult) -> str:
+  """The plot's title: which arm is faster and by how much, whether the
+  losses match, and on CPU that its step times say nothing of the GPU."""
+  verdict = "losses match" if result.losses_match else "losses DO NOT match"
+  title = (f"{result.config.model_name} on {result.device_kind}: "
+           f"{result.speed_verdict} (median step time); {verdict}")
+  if on_cpu(result.device_kind):
+    title += ("\nCPU: step times do not measure the GPU overlap; GPU "
+              "figures: benchmarks/RESULTS.md")
+  return title
+
+
+def figure(result: ABResult):
+  """Loss curves overlaid, the collective arm's loss minus the baseline's,
+  and the step-time distributions (matplotlib's Figure)."""
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
   steps = [r.step for r in result.baseline]
-  fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (loss_ax, diff_ax, time_ax) = plt.subplots(1, 3, figsize=(15, 4.4))
+  collective_label = f"collective ({result.collective_config.impl})"
   loss_ax.plot(steps, [r.loss for r in result.baseline], "o-",
                label="baseline", alpha=0.8)
   loss_ax.plot(steps, [r.loss for r in result.collective], "x--",
-               label=f"collective ({result.collective_config.impl})",
-               alpha=0.8)
-  loss_ax.set_xlabel("step")
-  loss_ax.set_ylabel("loss")
-  loss_ax.set_title("loss")
+               label=collective_label, alpha=0.8)
+  loss_ax.set(xlabel="step", ylabel="loss", title="loss")
   loss_ax.legend()
+  diff_ax.plot(steps, result.loss_diffs, "o-", color="C2")
+  diff_ax.axhline(0.0, color="gray", linewidth=0.8)
+  diff_ax.set(xlabel="step", ylabel="loss difference",
+              title=f"{collective_label} - baseline (max relative "
+                    f"{result.max_relative_loss_diff:.1e}, tolerance "
+                    f"{result.relative_tolerance:.0e})")
+  for ax in (loss_ax, diff_ax):
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   # The first step is left out of the distributions: it warms caches.
   steady = slice(1, None) if len(steps) > 2 else slice(None)
   time_ax.boxplot(
       [[1e3 * r.step_time_s for r in result.baseline[steady]],
        [1e3 * r.step_time_s for r in result.collective[steady]]],
-      tick_labels=["baseline", "collective"])
-  time_ax.set_ylabel("step time (ms)")
-  time_ax.set_title(f"step time (ratio {result.step_time_ratio:.3f})")
+      tick_labels=["baseline", collective_label])
+  time_ax.set(ylabel="step time (ms)",
+              title=f"step time: collective / baseline "
+                    f"{result.step_time_ratio:.3f}")
+  fig.suptitle(plot_title(result))
   fig.tight_layout()
+  return fig
+
+
+def _plot(result: ABResult, path: str) -> bool:
+  """Writes `figure(result)` to `path`; False without matplotlib (an
+  optional dependency: the `plot` extra), saying so."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    logging.warning("matplotlib is not installed: no PNG written to %s "
+                    "(pip install matplotlib, or the plot extra)", path)
+    return False
+  fig = figure(result)
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return True
