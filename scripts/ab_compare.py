@@ -28,7 +28,6 @@ import script_setup  # pylint: disable=g-bad-import-order
 
 script_setup.prepare()
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 import jax
@@ -154,4 +153,4 @@ def _fresh_dir(path: str) -> str:
 flags.adopt_module_key_flags(cm.flags)  # The plugin's flags in --help.
 
 if __name__ == "__main__":
-  app.run(lambda argv: sys.exit(main(argv)))
+  script_setup.run_app(main)

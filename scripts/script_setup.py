@@ -26,3 +26,21 @@ def prepare():
   # the A/B run with the same XLA_FLAGS.
   import collective_matmul  # pylint: disable=g-import-not-at-top
   collective_matmul.prepare_xla_for_kernels()
+
+
+# absl's help flags: it prints the usage and exits with status 1.
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpfull", "-helpfull",
+               "--helpshort", "-helpshort", "--helpxml", "-helpxml")
+
+
+def run_app(main):
+  """`absl.app.run` of `main(argv) -> exit status`, where asking for help
+  exits 0 (absl's --help exits 1, as if it were an error)."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  try:
+    app.run(lambda argv: sys.exit(main(argv)))
+  except SystemExit as e:
+    if e.code == 1 and any(arg.partition("=")[0] in _HELP_FLAGS
+                           for arg in sys.argv[1:]):
+      sys.exit(0)
+    raise

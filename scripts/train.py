@@ -11,7 +11,9 @@ plugin's (`--use_collective_matmul`, `--collective_matmul_impl`,
 With no arguments at all it runs the built-in demo: the tiny model for a few
 steps on 8 emulated CPU devices (data 2 x tensor 4, sequence-parallel) with
 the collective matmul on, then checks the loss against the same run with it
-off, and prints which layers were rewritten.
+off, and prints which layers were rewritten. Its checkpoints and
+metrics.jsonl go to runs/demo under the current directory, replaced by the
+next demo.
 """
 from __future__ import annotations
 
@@ -19,17 +21,16 @@ import dataclasses
 import faulthandler
 import logging as py_logging
 import os
+import shutil
 import signal
 import sys
-import tempfile
 
 import script_setup  # pylint: disable=g-bad-import-order
 
 script_setup.prepare()
 REPO_ROOT = script_setup.REPO_ROOT
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging
 import jax
 
@@ -64,11 +65,31 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
+# Marks a run directory as the demo's own, so the next demo may replace it.
+_DEMO_MARKER = ".reference_host_demo"
+
+
+def _fresh_demo_directory(config: config_lib.Config) -> str:
+  """`<base_output_directory>/demo`, emptied if an earlier demo wrote it (a
+  directory of that name the demo did not write is refused)."""
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  if os.path.exists(run_dir):
+    if not os.path.exists(os.path.join(run_dir, _DEMO_MARKER)):
+      raise config_lib.ConfigError(
+          f"the demo writes to {run_dir}, which exists and was not written by "
+          "the demo: move it, or run the demo from another directory")
+    shutil.rmtree(run_dir)
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, _DEMO_MARKER), "w") as f:
+    f.write("written by scripts/train.py's demo; replaced by the next one\n")
+  return run_dir
+
+
 def _demo(base_args: list[str]) -> int:
   """Collective matmul on vs off on the tiny model; returns the exit code."""
-  output_dir = tempfile.mkdtemp(prefix="reference_host_demo_")
-  args = [*base_args, f"base_output_directory={output_dir}", "run_name=demo"]
+  args = [*base_args, "run_name=demo"]
   config = config_lib.load_config(args, num_devices=jax.device_count())
+  run_dir = _fresh_demo_directory(config)
   collective_config = dataclasses.replace(cm.get_config(), enabled=True)
   mesh_text = " x ".join(f"{axis}={size}" for axis, size in
                          config.mesh_axis_sizes.items() if size > 1)
@@ -84,7 +105,12 @@ def _demo(base_args: list[str]) -> int:
   baseline_state = jax.tree.map(lambda x: x.copy(), state)
 
   _log("--- with --use_collective_matmul")
-  result = collective_trainer.train(state, checkpointer=checkpointer, log=_log)
+  metrics = metrics_lib.MetricsWriter(run_dir)
+  try:
+    result = collective_trainer.train(state, checkpointer=checkpointer,
+                                      log=_log, on_record=metrics.write)
+  finally:
+    metrics.close()
   _log("--- baseline (flag off), same init and data")
   baseline = baseline_trainer.train(baseline_state, log=_log)
 
@@ -98,7 +124,8 @@ def _demo(base_args: list[str]) -> int:
        f"(tolerance {tolerance:.0e}); final loss {result.losses[-1]:.5f} vs "
        f"{baseline.losses[-1]:.5f}")
   _log(f"--- checkpoints (orbax) in {checkpointer.directory}: steps "
-       f"{checkpointer.all_steps()}")
+       f"{checkpointer.all_steps()}; metrics in {metrics.jsonl_path} (the "
+       "next demo replaces them)")
   rewritten = sum(d.rewritten for d in result.decisions)
   if not rewritten:
     _log("--- no layer was rewritten: the demo did not exercise the plugin")
@@ -116,7 +143,10 @@ def _with_run_name(config: config_lib.Config) -> config_lib.Config:
 
 
 def _train(argv: list[str]) -> int:
-  config_lib.load_config(argv)  # Key and value errors before JAX starts.
+  # Key and value errors before JAX starts; the shardings' divisibility
+  # waits for the device count, so a mesh larger than the machine is
+  # reported as that, not as a dimension its size does not divide.
+  config_lib.load_config(argv, check_shardings=False)
   config = config_lib.load_config(argv, num_devices=jax.device_count())
   # A model beyond the machine's memory is refused before anything is
   # allocated or written.
@@ -146,7 +176,8 @@ def _train_locked(config: config_lib.Config) -> int:
   _log(f"model {config.model_name}: {model_lib.count_params(config) / 1e6:.1f}"
        f"M params, mesh {mesh_text or 'of one device'} on {jax.device_count()} "
        f"{jax.devices()[0].device_kind} devices ({jax.process_count()} "
-       f"processes), global batch {config.global_batch_size} x "
+       f"process{'es' if jax.process_count() > 1 else ''}), global batch "
+       f"{config.global_batch_size} x "
        f"{config.max_target_length}; collective matmul "
        f"{'on (' + collective_config.impl + ')' if collective_config.enabled else 'off'}")
   checkpointer = None
@@ -304,4 +335,4 @@ class _OrbaxErrorsReportedByUs(py_logging.Filter):
 flags.adopt_module_key_flags(cm.flags)
 
 if __name__ == "__main__":
-  app.run(lambda argv: sys.exit(main(argv)))
+  script_setup.run_app(main)

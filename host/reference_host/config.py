@@ -460,7 +460,8 @@ def _check_model_name(model_name: Any, source: str, model_dir: str) -> None:
 
 
 def _validate_values(values: Mapping[str, Any],
-                     sources: Mapping[str, str] | None = None) -> None:
+                     sources: Mapping[str, str] | None = None,
+                     check_shardings: bool = True) -> None:
   sources = sources or {}
   _check_value_ranges(values, sources)
   check_run_name(values["run_name"], _source("run_name", sources))
@@ -510,6 +511,8 @@ def _validate_values(values: Mapping[str, Any],
           f"{key}=True needs logical axis {logical!r} unsharded, but "
           f"logical_axis_rules maps it to {mapped[0]!r}")
   # The fill axis's size is not known yet; resolve_for_devices checks again.
+  if not check_shardings:
+    return
   _check_sharded_dimensions_divide(values, {
       axis: values[key] for axis, key in MESH_AXIS_KEYS.items()
       if values[key] != -1})
@@ -668,7 +671,8 @@ def check_fits_memory(config: Config, num_params: int, available_bytes: int,
 
 
 def load_config(argv: Sequence[str], *, model_dir: str | None = None,
-                num_devices: int | None = None) -> Config:
+                num_devices: int | None = None,
+                check_shardings: bool = True) -> Config:
   """Loads `argv = [base.yml, key=value, ...]` MaxText-style.
 
   Args:
@@ -676,6 +680,10 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
       pulls `<model_dir>/NAME.yml` between the base and the overrides).
     model_dir: where model files live; default: the base file's directory.
     num_devices: when given, also resolves and checks the mesh and batch.
+    check_shardings: check that the mesh axes' sizes divide the dimensions
+      the rules shard. False: leave that to a later call with `num_devices`
+      (which checks it after the mesh), so that a mesh larger than the
+      machine is reported as such.
   """
   if not argv:
     raise ConfigError("expected a config file as the first argument")
@@ -716,7 +724,7 @@ def load_config(argv: Sequence[str], *, model_dir: str | None = None,
   if num_devices is not None:  # Mesh errors before what they cause.
     _check_mesh_keys(values)
     _mesh_sizes_for_devices(values, num_devices)
-  _validate_values(values, sources)
+  _validate_values(values, sources, check_shardings)
   config = Config(values)
   if num_devices is not None:
     config = resolve_for_devices(config, num_devices)

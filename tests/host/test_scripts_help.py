@@ -16,3 +16,26 @@ def test_script_help_exits_cleanly(script):
                        cwd=REPO_ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   assert "usage" in run.stdout.lower()
+
+
+def test_maxtext_ab_help_is_its_whole_description():
+  # argparse used to get the docstring's first line, cut mid-sentence.
+  run = subprocess.run([sys.executable,
+                        os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"),
+                        "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO_ROOT)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "plugin off, plugin on, and (optionally) XLA's windowed einsum" in (
+      " ".join(run.stdout.split()))
+  assert "Only the first round is profiled." in run.stdout
+
+
+@pytest.mark.parametrize("script", ["train.py", "ab_compare.py"])
+def test_absl_script_help_exits_0_and_lists_the_plugins_flags(script):
+  # absl ends --help with status 1.
+  run = subprocess.run([sys.executable,
+                        os.path.join(REPO_ROOT, "scripts", script), "--help"],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=REPO_ROOT)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "--collective_matmul_impl" in run.stdout

@@ -126,3 +126,11 @@ def test_the_trainer_checks_memory_before_initialising():
   with pytest.raises(config_lib.ConfigError,
                      match="the model does not fit.*vocab_size=1000000000"):
     trainer.init_state()
+
+
+def test_a_mesh_larger_than_the_machine_is_blamed_on_the_devices():
+  # Was: "base_num_query_heads=8 is not divisible by 16" (issue 30, item 6).
+  line = _one_line_error(_run(TRAIN, *TINY,
+                              "ici_tensor_sequence_parallelism=16"), 2)
+  assert "ici_tensor_sequence_parallelism=16" in line
+  assert "8 devices" in line and "heads" not in line
