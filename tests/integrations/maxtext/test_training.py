@@ -5,6 +5,7 @@ process: absl flags, JAX config), about 20 s each; runs shared by several
 tests are made once per session.
 """
 import os
+import re
 import shutil
 
 import numpy as np
@@ -83,6 +84,24 @@ def test_a_mesh_without_the_pattern_rewrites_nothing_and_is_bit_identical():
   assert a.losses == b.losses
   assert "collective matmul: 0 of " in b.stdout
   assert not any(" rewritten -> " in l for l in b.decision_lines())
+
+
+def test_plain_tensor_parallelism_gives_the_reasons_readme_quotes_and_the_hint():
+  # The same run as above (cached): MaxText's record says what README
+  # quotes, and the launcher says to use tensor-sequence parallelism.
+  b = run("llama2-7b-tensor4_data2-bf16-ring", mesh="tensor4_data2",
+          plugin=RING)
+  import readme_commands  # pylint: disable=g-import-not-at-top
+  paragraph = re.search(r"Plain tensor parallelism.*?\n\n",
+                        readme_commands.readme(), re.S).group(0)
+  quoted = re.findall(r'"([^"]+)"', " ".join(paragraph.split()))
+  assert quoted
+  lines = b.decision_lines()
+  for quote in quoted:
+    assert any(quote in line for line in lines), (quote, lines)
+  assert "set ici_tensor_sequence_parallelism > 1" in b.stdout
+  summary = b.stdout[b.stdout.index("collective matmul summary"):]
+  assert "rewritten: 0 of " in summary
 
 
 # ------------------------------------------------------ plugin on: numerics
