@@ -1,13 +1,15 @@
 """The grid of problems whose decisions and configs are pinned across the
 selection redesign (`test_decisions_unchanged.py`).
 
-`rows()` yields (key, value) strings: for every case, what the implementation
+`new_rows()` gives {key: value} strings: for every case, what the implementation
 decision gives (forward impl, backward impl, reason, fallback) and which
 config with which source each kernel would run. The stored table
-(`data/decisions_before.json.gz`) was made by this file's `main` on the code
-before the redesign (commit d8888bb's `selection.choose_impl`,
-`select_config`, `select_reduce_scatter_config`, `config_source`); the test
-computes the same rows with today's `selection.choose` and compares.
+(`data/decisions_before.json.gz`) was made on the code before the redesign
+(d8888bb's `selection.choose_impl`, `select_config`,
+`select_reduce_scatter_config`, `config_source`) by this file as it stood at
+commit 0ea5d74 (`git show 0ea5d74:tests/selection/decision_grid.py`, its
+`main`); the test computes the same rows with today's `selection.choose`
+and compares.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import gzip
 import itertools
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -56,66 +57,8 @@ def config_text(config) -> str:
   return json.dumps(config.to_json(), sort_keys=True)
 
 
-def old_rows():
-  """The rows as the code before the redesign computes them."""
-  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
-  from collective_matmul.enums import Collective  # pylint: disable=g-import-not-at-top
-  out = {}
-  for case in cases():
-    device = selection.DeviceFacts(case["platform"], case["kind"],
-                                   case["cores"])
-    # The old code keyed its table lookups by the local device's kind; on
-    # a machine of the case's kind that is the case's kind.
-    selection._local_device_kind = lambda kind=case["kind"]: kind  # pylint: disable=protected-access
-    dtype = np.dtype(case["dtype"]) if case["dtype"] != "bfloat16" else (
-        __import__("jax.numpy").numpy.bfloat16)
-    out_dtype = None if case["out"] is None else np.dtype(case["out"])
-    choice = selection.choose_impl(
-        case["requested"], case["collective"], case["rows"], case["k"],
-        case["n"], dtype, case["axis"], device,
-        preferred_element_type=out_dtype, fallback_impl=case["fallback"],
-        reduce_scatter_kernel=case["rs_kernel"])
-    row = [str(choice.impl), str(choice.backward_impl), choice.reason,
-           str(choice.is_fallback)]
-    if choice.impl == "pallas":
-      coll = Collective.parse(case["collective"], "collective")
-      m, k, n = case["rows"], case["k"], case["n"]
-      select = (selection.select_config if coll == Collective.ALL_GATHER
-                else selection.select_reduce_scatter_config)
-      row.append(config_text(select(m, k, n, dtype, case["axis"],
-                                    case["cores"], out_dtype=out_dtype)))
-      row.append(selection.config_source(m, k, n, dtype, case["axis"],
-                                         out_dtype, pattern=coll))
-      if choice.backward_impl == "pallas":
-        # The backward as the ops chose it: the other kernel, k and n
-        # swapped, on the forward's output dtype, writing the operands'.
-        bdtype = out_dtype or dtype
-        bselect = (selection.select_reduce_scatter_config
-                   if coll == Collective.ALL_GATHER
-                   else selection.select_config)
-        row.append(config_text(bselect(m, n, k, bdtype, case["axis"],
-                                       case["cores"], out_dtype=dtype)))
-        row.append(selection.config_source(
-            m, n, k, bdtype, case["axis"], dtype, pattern=coll.transpose))
-    out[key(case)] = "|".join(row)
-  return out
-
-
 PATH = os.path.join(os.path.dirname(__file__), "data",
                     "decisions_before.json.gz")
-
-
-def main():
-  os.environ["XLA_FLAGS"] = "--xla_gpu_enable_command_buffer="
-  os.environ["COLLECTIVE_MATMUL_TUNING_CACHE"] = "/nonexistent/tuning.json"
-  rows = old_rows()
-  with gzip.open(PATH, "wt") as f:
-    json.dump(rows, f, sort_keys=True, separators=(",", ":"))
-  print(f"{len(rows)} rows -> {PATH}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-  main()
 
 
 def new_rows(selected_cases=None):
