@@ -84,6 +84,9 @@ class KernelPlan:
   is_fallback: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
+    object.__setattr__(self, "backward_impl",
+                       Impl.parse(self.backward_impl, "backward_impl"))
     for impl, config in ((self.impl, self.config),
                          (self.backward_impl, self.backward_config)):
       if (impl == Impl.PALLAS) != (config is not None):
