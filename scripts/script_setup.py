@@ -22,6 +22,13 @@ def prepare():
       "XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8")
+  # Quiet by default, as the scripts' own logs: XLA's C++ warnings (e.g.
+  # SPMD's "Involuntary full rematerialization") only with --verbosity or
+  # an explicit TF_CPP_MIN_LOG_LEVEL; errors always.
+  if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and not any(
+      arg.partition("=")[0].lstrip("-") in ("verbosity", "v")
+      for arg in sys.argv[1:]):
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
   # XLA's command buffers off, so the Hopper kernels may run; both arms of
   # the A/B run with the same XLA_FLAGS.
   import collective_matmul  # pylint: disable=g-import-not-at-top

@@ -39,3 +39,21 @@ def test_absl_script_help_exits_0_and_lists_the_plugins_flags(script):
                        cwd=REPO_ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   assert "--collective_matmul_impl" in run.stdout
+
+
+@pytest.mark.parametrize("argv, quiet", [
+    ([], True), (["--verbosity=0"], False), (["--v=1"], False)])
+def test_xla_warnings_are_quiet_unless_verbosity_is_asked_for(argv, quiet):
+  # XLA's C++ warnings (SPMD's "Involuntary full rematerialization") showed
+  # although the scripts say they are quiet by default (issue 30, item 6).
+  code = ("import os, sys; sys.path.insert(0, 'scripts'); "
+          "sys.argv[1:] = sys.argv[2:]; import script_setup; "
+          "script_setup.prepare(); "
+          "print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))")
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  run = subprocess.run([sys.executable, "-c", code, "x", *argv],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=REPO_ROOT, env=env)
+  assert run.returncode == 0, run.stderr[-2000:]
+  # 2: INFO and WARNING hidden, errors shown (JAX's own default is 1).
+  assert (run.stdout.strip() == "2") == quiet, run.stdout

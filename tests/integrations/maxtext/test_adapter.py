@@ -122,3 +122,21 @@ def test_the_launchers_help_exits_0_and_lists_the_launchers_flags():
   assert run.returncode == 0, run.stderr[-3000:]
   assert "--maxtext_allow_untested_version" in run.stdout
   assert "--use_collective_matmul" in run.stdout
+
+
+def test_a_strict_refusal_in_the_launcher_is_one_line():
+  # Was a 49-line traceback (issue 30, item 6). On CPU pallas cannot run,
+  # and --collective_matmul_strict refuses the fallback.
+  import maxtext_runs  # pylint: disable=g-import-not-at-top
+  with pytest.raises(AssertionError) as failed:
+    maxtext_runs.train("strict-pallas-on-cpu", steps=1, plugin=(
+        "--use_collective_matmul", "--collective_matmul_impl=pallas",
+        "--collective_matmul_strict"))
+  message = str(failed.value)
+  assert "failed (1)" in message
+  stderr = message.split("\n", 2)[2]
+  assert "Traceback" not in stderr, stderr
+  (line,) = [l for l in stderr.splitlines() if "(strict)" in l]
+  assert line.startswith("python -m collective_matmul.integrations.maxtext: "
+                         "collective matmul (strict): ")
+  assert "pallas unavailable" in line
