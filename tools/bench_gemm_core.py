@@ -110,24 +110,25 @@ def parse_variant(text):
   return name, fields
 
 
-def core_ag_config(big_m, k, n):
+def core_ag_config(big_m, k, n, device=None):
   """The all-gather config `selection` picks for the D = 2 ring at this
   GEMM (m = M / 2 per shard), with the senders (and what only they use)
   off: one device has no ring. Also returns the picked config."""
-  ag = selection.select_config(big_m // 2, k, n, jnp.bfloat16, 2)
+  ag = selection.select_config(big_m // 2, k, n, jnp.bfloat16, 2,
+                               device=device)
   return dataclasses.replace(ag, sender_sms=0, k_major_sends=False,
                              sender_announce_lag=None), ag
 
 
-def our_configs(big_m, k, n, variants):
+def our_configs(big_m, k, n, variants, device=None):
   """[(name, kernel, config, record)] of our kernels a shape times: the
   all-gather's core config ("ours_ag", recorded as the picked one), the
   reduce-scatter's ("ours_rs"), then each --variant ("ours_NAME"; rs_*
   vary the reduce-scatter's config, else the all-gather's). A variant whose
   fields do not apply has its error in place of the config."""
-  ag_core, ag = core_ag_config(big_m, k, n)
+  ag_core, ag = core_ag_config(big_m, k, n, device)
   rs = selection.select_reduce_scatter_config(big_m // 2, k, n, jnp.bfloat16,
-                                              2)
+                                              2, device=device)
   out = [("ours_ag", kernels.all_gather_lhs_matmul, ag_core, ag),
          ("ours_rs", kernels.matmul_reduce_scatter, rs, rs)]
   for name, fields in variants:
@@ -147,14 +148,14 @@ def cublas_matmul():
   return jax.jit(jnp.dot)
 
 
-def upstream_arms(big_m, k, n, skip=False):
+def upstream_arms(big_m, k, n, skip=False, device=None):
   """[(name, fn, config)] of upstream's Hopper matmul the run times: the
   all-gather core config's tiles with no cluster and with 2-block
   clusters along m and n (none with `skip`)."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
   arms = []
   for cluster in (() if skip else (None, "m", "n")):
-    core, _ = core_ag_config(big_m, k, n)
+    core, _ = core_ag_config(big_m, k, n, device)
     cfg = upstream_config(core, cluster)
     arms.append((f"upstream_{cluster or 'none'}", jax.jit(
         lambda x, y, cfg=cfg: hm.matmul(x, y, None, config=cfg)), cfg))
@@ -174,7 +175,9 @@ def plan_calls(args):
                     devices=1)
     calls.append(bench_plan.FnCall(f"{shape} cublas", cublas_matmul(),
                                    **operands))
-    for name, kernel, cfg, _ in our_configs(big_m, k, n, args.variant):
+    device = bench_plan.planned_device(devices=1)
+    for name, kernel, cfg, _ in our_configs(big_m, k, n, args.variant,
+                                            device):
       label = f"{shape} {name}"
       if isinstance(cfg, Exception):
         calls.append(bench_plan.Broken(label, 1,
@@ -185,7 +188,7 @@ def plan_calls(args):
           trace_ranges=trace_ranges(cfg, big_m, n, 132)
           if args.trace_dir else None))
     try:
-      arms = upstream_arms(big_m, k, n, args.skip_upstream)
+      arms = upstream_arms(big_m, k, n, args.skip_upstream, device)
     except Exception as e:  # pylint: disable=broad-except
       calls.append(bench_plan.Broken(f"{shape} upstream", 1,
                                      f"{type(e).__name__}: {e}"))

@@ -458,8 +458,9 @@ def plan_calls(args, d, num_sms=132):
             f"{label} seed #{i}", seed_matmul(cfg, dtype), config=cfg,
             gpu_facts=(seed, hm), num_sms=num_sms, **ring)
                   for i, cfg in enumerate(seed_configs())]
-      for key, cfg, loopback in our_configs(parsed,
-                                            select(m, k, n, dtype, d)):
+      picked = select(m, k, n, dtype, d,
+                      device=bench_plan.planned_device(num_sms, d))
+      for key, cfg, loopback in our_configs(parsed, picked):
         if isinstance(cfg, Exception):
           calls.append(bench_plan.Broken(f"{label} {key}", d,
                                          f"{type(cfg).__name__}: {cfg}"))

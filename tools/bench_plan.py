@@ -174,6 +174,14 @@ class Broken:
   error: str
 
 
+def planned_device(num_sms: int = 132, devices: int = 8):
+  """The machine a plan stands for (an H200 host), as `selection` reads it:
+  so the configs a plan checks are those the GPU run will pick, packaged
+  table entries included (the CPU's own facts would key them by "cpu")."""
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  return selection.DeviceFacts("gpu", "NVIDIA H200", num_sms, 1, devices)
+
+
 def config_delta(config) -> str:
   """The config's fields that differ from its class's defaults (a config
   that is no dataclass, or has required fields: as it prints)."""

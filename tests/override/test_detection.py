@@ -330,13 +330,9 @@ def test_logical_axes_of_wrong_rank_fall_back(keys):
   assert_close(y, reference(x, w), TOLERANCE["float32"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG/limitation: the active CollectiveMatmulConfig is read at trace time "
-    "but is not part of jax.jit's cache key, so a function jitted once with "
-    "the plugin off keeps its plain program after config_context(enabled="
-    "True) (no retrace, no Decision), silently; e.g. an A/B run reusing one "
-    "jitted step compares XLA with itself."))
 def test_enabling_plugin_applies_to_already_jitted_function(keys):
+  """The configuration is part of JAX's cache key (config._TRACE_KEY): a
+  function jitted with the plugin off is traced again when it is on."""
   mesh = mesh_1d(4)
   x = put(normal(keys(), (16, 32), "float32"), mesh, P("x", None))
   w = put(normal(keys(), (32, 16), "float32"), mesh, P(None, "x"))

@@ -255,3 +255,21 @@ def test_autotune_plans_every_candidate_of_the_sweep(pattern):
 def test_autotune_rejects_a_malformed_shape():
   run = _run("autotune.py", "--plan", "2", "--shapes", "512/1024")
   assert run.returncode == 2 and "expected m/k/n" in run.stderr
+
+
+def test_bench_kernels_plans_the_config_the_gpu_run_picks():
+  """The plan picks configs as the H200 run will, packaged table entries
+  included (the CPU's own facts key the table by "cpu" and miss them)."""
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  bench = import_script("bench_kernels")
+  key = "reduce_scatter|NVIDIA H200|bfloat16|D=2|8192x2048x4096"
+  packaged = selection.packaged_table()[key]
+  assert packaged != selection.select_reduce_scatter_config(
+      8192, 2048, 4096, jnp.bfloat16, 2)  # What the CPU's facts pick.
+  args = argparse.Namespace(shapes=[], rs_shapes=["8192/2048/4096:bf16"],
+                            config=[], rs_config=[], trace_dir=None,
+                            skip_seed=True)
+  calls = [c for c in bench.plan_calls(args, 2)
+           if not isinstance(c, _plan().FnCall)]
+  assert [c.config for c in calls] == [packaged]
