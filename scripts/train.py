@@ -17,6 +17,7 @@ next demo.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import logging as py_logging
@@ -219,9 +220,15 @@ def _train_with(config, trainer, collective_config, checkpointer) -> int:
   try:
     result = trainer.train(state, checkpointer=checkpointer, log=_log,
                            on_record=metrics.write if metrics else None)
-  finally:
+  except BaseException:
     if metrics is not None:
-      metrics.close()
+      # The error in flight is the one to report (on a full disk, closing
+      # the metrics files fails too).
+      with contextlib.suppress(OSError):
+        metrics.close()
+    raise
+  if metrics is not None:
+    metrics.close()
   if result.records:
     times = trainer_lib.summarize_step_times(result.step_times)
     _log(f"done: steps {result.first_step}..{result.records[-1].step}, "
@@ -271,6 +278,7 @@ def main(argv: list[str]) -> int:
     # orbax logs a failed save with its traceback before raising it; the
     # Checkpointer reports that failure in one line (path and cause).
     logging.get_absl_handler().addFilter(_OrbaxErrorsReportedByUs())
+    _drop_closed_loop_callbacks()
   if _DISTRIBUTED.value:
     try:
       jax.distributed.initialize()
@@ -321,13 +329,44 @@ def main(argv: list[str]) -> int:
     return 1
 
 
+def _is_closed_loop_callback(error: BaseException | None) -> bool:
+  """TensorStore finishing a write for orbax after orbax's event loop has
+  closed (its save failed, and was reported in one line)."""
+  return (isinstance(error, RuntimeError)
+          and str(error) == "Event loop is closed")
+
+
+def _drop_closed_loop_callbacks() -> None:
+  """Python prints those callbacks' RuntimeError as tracebacks, one per
+  write still in flight (dozens on a full disk); any other error is printed
+  as before."""
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def quiet_excepthook(kind, error, traceback):
+    if not _is_closed_loop_callback(error):
+      excepthook(kind, error, traceback)
+
+  def quiet_unraisablehook(unraisable):
+    if not _is_closed_loop_callback(unraisable.exc_value):
+      unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
 class _OrbaxErrorsReportedByUs(py_logging.Filter):
-  """Drops orbax's logged errors with tracebacks: the exception reaches the
-  Checkpointer, which reports it in one line."""
+  """Drops orbax's logged errors with tracebacks, and asyncio's 'exception
+  was never retrieved' for its other writes that failed on a full or
+  read-only disk: the exception reaches the Checkpointer, which reports it
+  in one line."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return not (record.exc_info and record.levelno >= py_logging.ERROR
-                and f"{os.sep}orbax{os.sep}" in record.pathname)
+    if record.levelno < py_logging.ERROR:
+      return True
+    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+      return False
+    return not (record.name == "asyncio" and "never retrieved" in (
+        message := record.getMessage()) and checkpoint_lib.storage_cause(
+            RuntimeError(message)) is not None)
 
 
 # The plugin's flags are this program's own: listed by --help, not only

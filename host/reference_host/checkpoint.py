@@ -503,13 +503,18 @@ def is_own_step(step_dir: str) -> bool:
 
 def _is_own_unfinished_save(path: str) -> bool:
   """An orbax temporary directory of this trainer: its marker, or (killed
-  before orbax wrote its metadata) nothing but orbax's own entries."""
+  before orbax added the marker to its metadata) nothing but orbax's own
+  entries and no one else's custom metadata."""
   if os.path.islink(path) or not os.path.isdir(path):
     return False
   if owner_marker(path) is not None:
     return True
-  names = set(os.listdir(path))
-  return ORBAX_STEP_METADATA not in names and names <= _ORBAX_ENTRIES
+  if not set(os.listdir(path)) <= _ORBAX_ENTRIES:
+    return False
+  # orbax first writes its metadata with empty custom_metadata, and adds
+  # ours when the save's items are written.
+  metadata = read_orbax_step_metadata(path)
+  return metadata is None or not metadata.get("custom_metadata")
 
 
 def _step_of(step_dir: str) -> int | None:

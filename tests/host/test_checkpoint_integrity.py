@@ -570,3 +570,25 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(
   assert owner["pid"] == os.getpid()
   checkpointer.close()
   assert (directory / checkpoint_lib.LOCK_FILE).read_text() == ""
+
+
+def test_unfinished_save_killed_before_orbax_added_the_marker_is_removed(
+    saved_run, tmp_path):
+  """orbax writes its step metadata first with empty custom_metadata and
+  adds this trainer's marker later: a kill in between leaves an own
+  unfinished save, removed (not set aside as foreign)."""
+  directory = _copy_of(saved_run, tmp_path)
+  unfinished = os.path.join(directory, "8.orbax-checkpoint-tmp")
+  os.makedirs(unfinished)
+  with open(os.path.join(unfinished, "_CHECKPOINT_METADATA"), "w") as f:
+    json.dump({"item_handlers": None, "metrics": {},
+               "init_timestamp_nsecs": 1, "commit_timestamp_nsecs": None,
+               "custom_metadata": {}}, f)
+  messages = []
+  _, step, _ = _restore(saved_run["trainer"], directory, messages)
+  assert step == 6
+  assert messages == [
+      f"removed an unfinished save (its run was stopped while saving): "
+      f"{unfinished}"]
+  assert sorted(os.listdir(directory)) == [
+      "4", "6", "config.yml", checkpoint_lib.LOCK_FILE]
