@@ -261,10 +261,8 @@ def distributed_error(error: Exception) -> str:
 
 
 def _is_strict_fallback(error: BaseException) -> bool:
-  """The plugin's strict mode refusing a fallback: it raises a ValueError
-  whose message starts 'collective matmul (strict):' (override._record)."""
-  return (isinstance(error, ValueError)
-          and str(error).startswith("collective matmul (strict):"))
+  """The plugin's strict mode refusing a fallback."""
+  return isinstance(error, cm.StrictFallbackError)
 
 
 def main(argv: list[str]) -> int:
