@@ -47,9 +47,9 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   frees the step's slots (`delay_release=0`) or the previous step's (1)
   as the body returns, so the body is wrapped to wait until at most
   `delay_release` steps' wgmmas are in flight (`_OffsetChain` waits the
-  same way). Until run 49 the body left one step's wgmmas in flight with
-  `delay_release=0` too: a race that went unseen at 128 x 128 warpgroup
-  tiles and gave wrong results at 64 x 256.
+  same way). Leaving one step's wgmmas in flight with `delay_release=0`
+  lets the next TMA load overwrite a slot a wgmma still reads (fixed in
+  de65204; `tests/kernels` checks every wait against the release).
   """
   order = k_order or (lambda kk: kk)
   if chained and k_iters % max_concurrent_steps:
@@ -177,8 +177,8 @@ class _OffsetChain:
           plgpu.barrier_wait(produced.at[s])
           carry = self.body((kk,), a_smem.at[s], b_smem.at[s], carry)
           # This step's wgmmas have read the slot: free it. (Keeping them
-          # in flight and freeing each slot a step later costs a stage of
-          # prefetch: 1.10-1.15 x cuBLAS at 3 stages, run 49.)
+          # in flight and freeing each slot a step later would cost a stage
+          # of prefetch.)
           plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[s])
           # As JAX's pipeline does after every step (the bodies' sends
