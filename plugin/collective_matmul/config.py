@@ -53,7 +53,7 @@ class CollectiveMatmulConfig:
   strict: bool = _option(
       False, "collective_matmul_strict",
       "A fallback (a pattern found but not served as asked) raises "
-      "`ValueError` instead of being logged.")
+      "`cm.StrictFallbackError` (a `ValueError`) instead of being logged.")
   fallback_impl: Impl = _option(
       Impl.RING, "collective_matmul_fallback_impl",
       "What `auto`, or an unavailable `pallas`, runs off Hopper: `ring` or "

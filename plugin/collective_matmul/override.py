@@ -62,6 +62,11 @@ class Decision:
   plan: selection.KernelPlan | None = None
 
   def __str__(self):
+    return self.describe()
+
+  def describe(self, shared_reason: str = "") -> str:
+    """One line; `shared_reason` (said once elsewhere, e.g. in a summary's
+    header) is left out."""
     forward = self.plan.describe() if self.plan else self.impl
     what = (f"rewritten -> {forward} over {self.axis!r}" if self.rewritten
             else "left to XLA")
@@ -77,11 +82,24 @@ class Decision:
       others = [str(n).rsplit("/", 1)[-1] for n in self.group
                 if n != self.name]
       what += f", grouped with {', '.join(others)}"
-    why = f" ({self.reason})" if self.reason else ""
+    # A member left alone because it is not rewritten has its reason in
+    # the group's already.
+    own = self.reason not in ("", shared_reason) and not (
+        self.group_reason and self.reason in self.group_reason)
+    why = f" ({self.reason})" if own else ""
     if self.group_reason:
       why += f" (not grouped: {self.group_reason})"
     return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
             f"{self.dtype}: {what}{why}")
+
+  def refusal(self) -> str:
+    """What strict mode says of this decision when it is a fallback."""
+    instead = (f"it would run {self.plan.describe() if self.plan else self.impl}"
+               f" over {self.axis!r}" if self.rewritten
+               else "it would be left to XLA")
+    return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
+            f"{self.dtype} cannot be served as configured ({self.reason}); "
+            f"{instead}")
 
 
 class StrictFallbackError(ValueError):
@@ -107,12 +125,17 @@ def clear_decisions() -> None:
 def format_decisions(records: Sequence[Decision] | None = None) -> str:
   """A short human summary: one line per distinct decision, with counts."""
   records = decisions() if records is None else records
+  # A reason every rewritten decision gives (e.g. why not the Hopper kernel,
+  # on CPU) is said once, in the header.
+  reasons = {r.reason for r in records if r.rewritten}
+  shared = reasons.pop() if len(reasons) == 1 else ""
   counts: dict[str, int] = {}
   for record in records:
-    counts[str(record)] = counts.get(str(record), 0) + 1
+    line = record.describe(shared)
+    counts[line] = counts.get(line, 0) + 1
   rewritten = sum(r.rewritten for r in records)
   lines = [f"collective matmul: {rewritten} of {len(records)} dot_generals "
-           "rewritten"]
+           "rewritten" + (f" (each: {shared})" if shared else "")]
   lines += [f"  {line}" + (f"  [x{n}]" if n > 1 else "")
             for line, n in counts.items()]
   return "\n".join(lines)
@@ -131,7 +154,8 @@ def record(decision: Decision, strict: bool, fallback: bool) -> None:
     if first:
       _logged_fallbacks.add(str(decision))
   if strict and fallback:
-    raise StrictFallbackError(f"collective matmul (strict): {decision}")
+    raise StrictFallbackError(
+        f"collective matmul (strict): {decision.refusal()}")
   if first:
     logging.warning("collective matmul fallback: %s", decision)
   else:

@@ -178,6 +178,9 @@ def test_a_member_that_does_not_match_leaves_every_member_alone(keys):
     assert d.group_reason.startswith("value is not rewritten (no mesh axis "
                                      "shards both"), d.group_reason
   assert "(not grouped: value is not rewritten" in str(decisions[0])
+  # The value's own reason is in its group reason already: said once.
+  assert str(decisions[2]).count("no mesh axis shards both") == 1, (
+      str(decisions[2]))
   ref, _ = _reference(x, kernels, [1] * 3)
   for out, r in zip(outs, ref):
     assert_close(out, r, TOLERANCE["float32"])

@@ -27,6 +27,11 @@ def test_strict_pallas_on_cpu_raises_naming_the_backend(keys):
         jax.jit(lambda x, w: cm.dot_general(x, w, DN_LAST(2)))(x, w)
   assert "backend" in str(info.value) and "'cpu'" in str(info.value)
   assert isinstance(info.value, ValueError)  # What it raised before.
+  # A refusal, not a record: what it would have done instead, not
+  # "rewritten".
+  assert "rewritten" not in str(info.value)
+  assert "cannot be served as configured" in str(info.value)
+  assert "it would run ring over 'x'" in str(info.value)
 
 
 def test_non_strict_pallas_on_cpu_falls_back_to_ring(keys):
@@ -98,3 +103,20 @@ def test_strict_unsharded_operands_do_not_raise(keys):
   assert [d.rewritten for d in cm.decisions()] == [False]
   np.testing.assert_array_equal(
       np.asarray(y), np.asarray(lax.dot_general(x, w, DN_LAST(2))))
+
+
+def test_a_reason_every_rewrite_shares_is_said_once(keys):
+  """On CPU every rewrite gives the same 'pallas unavailable' reason: the
+  summary says it once, in its header, not on each line."""
+  mesh, x, w = _operands(keys)
+  cm.clear_decisions()
+  with jax.set_mesh(mesh):
+    with cm.config_context(enabled=True, impl="pallas"):
+      for name in ("a", "b", "c"):
+        jax.jit(lambda x, w, name=name: cm.dot_general(
+            x, w, DN_LAST(2), name=name))(x, w)
+  summary = cm.format_decisions()
+  assert summary.count("pallas unavailable") == 1, summary
+  assert summary.splitlines()[0].startswith(
+      "collective matmul: 3 of 3 dot_generals rewritten (each: pallas "
+      "unavailable")
