@@ -62,7 +62,8 @@ def plan_calls(args, d):
                                        args.pattern, config, m, k, n, d,
                                        dtype)
                   for i, config in enumerate(autotuning.candidate_configs(
-                      args.pattern, m, k, n, dtype, d))]
+                      args.pattern, m, k, n, dtype, d,
+                      device=bench_plan.planned_device(devices=d)))]
     calls += candidates
     calls.append(bench_plan.FnCall(
         f"{args.pattern} {text} ring", ring_reference(args.pattern),

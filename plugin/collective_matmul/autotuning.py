@@ -49,7 +49,7 @@ def does_not_fit(error: BaseException) -> bool:
 
 def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
                       m=None, k=None, n=None,
-                      dtype=jnp.bfloat16, axis_size: int = 2):
+                      dtype=jnp.bfloat16, axis_size: int = 2, device=None):
   """The configurations autotuning tries for `pattern`.
 
   All-gather: with the local shape given, the heuristic's own choice
@@ -63,19 +63,22 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   Reduce-scatter:
   the send pacing around the chosen config of local shape m x k x n (row
   pieces x send gap; the pacing that wins depends on how many waves a ring
-  step takes), and the whole-tile configs unpaced.
+  step takes), and the whole-tile configs unpaced. `device`: the
+  `selection.DeviceFacts` the choices read (None: this machine's; a plan
+  on CPU passes those of the GPU it stands for).
   """
   pattern = Collective.parse(pattern, "pattern")
   if pattern == Collective.ALL_GATHER:
     seen = set()
-    for config in _all_gather_candidates(m, k, n, dtype, axis_size):
+    for config in _all_gather_candidates(m, k, n, dtype, axis_size, device):
       if config not in seen:
         seen.add(config)
         yield config
     return
   if None in (m, k, n):
     raise ValueError("reduce-scatter candidates need the local m, k and n")
-  base = selection.select_reduce_scatter_config(m, k, n, dtype, axis_size)
+  base = selection.select_reduce_scatter_config(m, k, n, dtype, axis_size,
+                                                device=device)
   for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
     for gap in gaps:
       try:
@@ -85,7 +88,7 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
 
 
-def _all_gather_candidates(m, k, n, dtype, axis_size):
+def _all_gather_candidates(m, k, n, dtype, axis_size, device):
   """`candidate_configs`' all-gather list, in order, duplicates included:
   the heuristic's own choice first where the shape is given (so the sweep
   always times the default, e.g. its sender count on idle SMs, which the
@@ -93,7 +96,8 @@ def _all_gather_candidates(m, k, n, dtype, axis_size):
   if None not in (m, k, n):
     yield selection.heuristic_config(
         Collective.ALL_GATHER,
-        selection.Problem(m, k, n, dtype, axis_size), selection.device_facts())
+        selection.Problem(m, k, n, dtype, axis_size),
+        device or selection.device_facts())
   for base in selection.tile_candidates():
     for gap in (8, 12, 16):
       for width in (4, 8):
