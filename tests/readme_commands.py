@@ -79,14 +79,13 @@ def pip_extras(words: list[str]) -> list[str]:
 
 
 def setup_extras() -> set[str]:
-  """setup.py's extras_require keys (setup() captured, not run)."""
-  import setuptools  # pylint: disable=g-import-not-at-top
-  captured = {}
-  original = setuptools.setup
-  setuptools.setup = lambda **kwargs: captured.update(kwargs)
-  try:
-    with open(os.path.join(REPO_ROOT, "setup.py")) as f:
-      exec(compile(f.read(), "setup.py", "exec"), {"__name__": "setup"})  # pylint: disable=exec-used
-  finally:
-    setuptools.setup = original
-  return set(captured["extras_require"])
+  """setup.py's extras_require keys, read from its syntax tree (neither run
+  nor dependent on setuptools, which a Python 3.12 venv lacks)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(REPO_ROOT, "setup.py")) as f:
+    tree = ast.parse(f.read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.keyword) and node.arg == "extras_require":
+      assert isinstance(node.value, ast.Dict), "extras_require is no dict"
+      return {ast.literal_eval(key) for key in node.value.keys}
+  raise AssertionError("setup.py has no extras_require")
