@@ -276,6 +276,11 @@ def main(argv: list[str]) -> int:
     # orbax logs a failed save with its traceback before raising it; the
     # Checkpointer reports that failure in one line (path and cause).
     logging.get_absl_handler().addFilter(_OrbaxErrorsReportedByUs())
+    # asyncio's "exception was never retrieved" here only ever concerns
+    # orbax's writes, whose failure the Checkpointer reports in one line;
+    # logged when a future is collected, it could race past the filter's
+    # reading of its text. --verbosity shows them.
+    py_logging.getLogger("asyncio").setLevel(py_logging.CRITICAL)
     _drop_closed_loop_callbacks()
   if _DISTRIBUTED.value:
     try:

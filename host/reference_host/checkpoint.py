@@ -111,7 +111,9 @@ STORAGE_ERRNOS = {
     errno.EEXIST: "exists and is not a directory",
     errno.EIO: "input/output error",
 }
-_ERRNO_IN_TEXT = re.compile(r"os_error_code='?([0-9]+)")
+# TensorStore's errno in its message; inside a repr (asyncio's "exception
+# was never retrieved" shows the future's) the quotes are escaped.
+_ERRNO_IN_TEXT = re.compile(r"os_error_code=\\?'?([0-9]+)")
 
 
 class CheckpointError(RuntimeError):

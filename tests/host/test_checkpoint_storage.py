@@ -163,3 +163,18 @@ def test_checkpoint_directory_under_a_file_is_one_line(continuous, tmp_path):
   assert str(raised.value) == (
       f"cannot use {directory} as the checkpoint directory: "
       f"{tmp_path / 'a_file'} is a file, not a directory (ENOTDIR)")
+
+
+@pytest.mark.parametrize("text", [
+    "Failed to write 65536 bytes to file 7: No space left on device "
+    "[os_error_code='28']",
+    # asyncio's "exception was never retrieved" shows the failed write
+    # inside the future's repr, quotes escaped: it must still be known as
+    # a full disk, or its traceback reaches the user (a flaky CI run).
+    "_GatheringFuture exception was never retrieved\nfuture: "
+    "<_GatheringFuture finished exception=ValueError('RESOURCE_EXHAUSTED: "
+    "Failed to write 108676 bytes to file 19: No space left on device "
+    "[os_error_code=\\'28\\']')>"])
+def test_a_full_disk_is_recognised_in_tensorstores_text(text):
+  assert checkpoint_lib.storage_cause(RuntimeError(text)) == (
+      "No space left on device (ENOSPC)")
