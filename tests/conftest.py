@@ -19,7 +19,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
 if "--xla_gpu_enable_command_buffer=" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_enable_command_buffer="
 
+import importlib.util  # pylint: disable=g-import-not-at-top
+import sys  # pylint: disable=g-import-not-at-top
 import zlib  # pylint: disable=g-import-not-at-top
+
+# Until setup.py installs them, import the packages from the checkout.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _package, _folder in (("reference_host", "host"),
+                          ("collective_matmul", "plugin")):
+  if importlib.util.find_spec(_package) is None:
+    sys.path.insert(0, os.path.join(_REPO_ROOT, _folder))
 
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top

@@ -1,4 +1,5 @@
 """Shared constants of the host tests (conftest sets up the environment)."""
+import importlib.util
 import os
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -11,3 +12,11 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TEST_MODEL_ARGS = ("model_name=tiny", "base_num_decoder_layers=1",
                    "max_target_length=32", "enable_checkpointing=False")
 
+
+def maxtext_ab():
+  """A fresh module of scripts/maxtext_ab.py (each test may patch it)."""
+  spec = importlib.util.spec_from_file_location(
+      "maxtext_ab", os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -2,8 +2,6 @@
 a verdict line per arm (losses, which arm is faster and by how much), the
 CPU caveat on CPU, and a plot with a loss-difference panel, whole-number
 step ticks and the verdict in its title. Made-up runs: no MaxText."""
-import importlib.util
-import os
 
 import matplotlib
 
@@ -11,15 +9,7 @@ matplotlib.use("Agg")
 
 import pytest  # pylint: disable=g-import-not-at-top
 
-from host_test_utils import REPO_ROOT
-
-
-def _maxtext_ab():
-  spec = importlib.util.spec_from_file_location(
-      "maxtext_ab", os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from host_test_utils import maxtext_ab
 
 
 def _run(arm, step_ms, losses):
@@ -45,7 +35,7 @@ def _result(ab, machine, ring_ms=25.0, ring_losses=None):
     (25.0, "ring is 25.0 % slower than off"),
     (19.0, "ring is 5.0 % faster than off")])
 def test_one_verdict_line_per_arm_with_losses_and_speed(ring_ms, verdict):
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   result = _result(ab, "2 x NVIDIA H200, gpu-host", ring_ms)
   (line,) = ab.verdicts(result)
   assert line.startswith("ring vs off: losses match (max relative "
@@ -56,14 +46,14 @@ def test_one_verdict_line_per_arm_with_losses_and_speed(ring_ms, verdict):
 
 
 def test_losses_that_differ_are_said_not_to_match():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   result = _result(ab, "8 x cpu, host",
                    ring_losses=[6.0, 5.8, 5.5, 5.3, 6.2])
   assert "ring vs off: losses DO NOT match" in ab.verdicts(result)[0]
 
 
 def test_on_cpu_report_and_plot_say_step_times_do_not_measure_the_gpu():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   result = _result(ab, "8 x cpu, host")
   caveat = ab._ab_lib().CPU_STEP_TIME_CAVEAT  # pylint: disable=protected-access
   assert ab.verdicts(result)[-1] == caveat
@@ -75,7 +65,7 @@ def test_on_cpu_report_and_plot_say_step_times_do_not_measure_the_gpu():
 
 
 def test_the_plot_has_a_loss_difference_panel_and_whole_step_ticks():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   result = _result(ab, "8 x cpu, host")
   fig = ab.figure(result)
   (diff,) = [ax for ax in fig.axes if ax.get_ylabel() == "loss difference"]

@@ -2,20 +2,11 @@
 times pooled, every round's losses checked, each round's ratio reported."""
 import importlib.util
 import json
-import os
 import sys
 
 import pytest
 
-from host_test_utils import REPO_ROOT
-
-
-def _maxtext_ab():
-  spec = importlib.util.spec_from_file_location(
-      "maxtext_ab", os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from host_test_utils import maxtext_ab
 
 
 def _run(arm, step_ms, losses=(2.0, 1.5, 1.0, 0.9), rc=0, tag=""):
@@ -28,14 +19,14 @@ def _run(arm, step_ms, losses=(2.0, 1.5, 1.0, 0.9), rc=0, tag=""):
 
 
 def test_round_orders_reverse_every_other_round():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   assert ab.round_orders(["off", "a", "b"], 3) == [
       ["off", "a", "b"], ["b", "a", "off"], ["off", "a", "b"]]
   assert ab.round_orders(["off", "a"], 1) == [["off", "a"]]
 
 
 def test_merge_rounds_pools_the_timed_steps_and_keeps_each_round():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   first, second = _run("a", [10.0, 11.0, 12.0]), _run("a", [20.0, 21.0, 22.0])
   second["rc"] = 1
   merged = ab.merge_rounds([first, second])
@@ -48,7 +39,7 @@ def test_merge_rounds_pools_the_timed_steps_and_keeps_each_round():
 
 
 def test_compare_reports_each_rounds_ratio_and_checks_every_rounds_losses():
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   arms = [ab.merge_rounds([_run("off", [100.0]), _run("off", [110.0])]),
           ab.merge_rounds([_run("auto", [90.0]), _run("auto", [88.0])])]
   result = ab.compare(arms, "bfloat16")
@@ -67,7 +58,7 @@ def test_compare_reports_each_rounds_ratio_and_checks_every_rounds_losses():
 
 
 def test_main_runs_the_rounds_in_alternating_order(tmp_path, monkeypatch):
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   calls = []
   step_ms = {"off": 100.0, "auto": 95.0}
 
@@ -98,7 +89,7 @@ def test_main_runs_the_rounds_in_alternating_order(tmp_path, monkeypatch):
 
 
 def test_rounds_must_be_positive(tmp_path, monkeypatch, capsys):
-  ab = _maxtext_ab()
+  ab = maxtext_ab()
   monkeypatch.setattr(sys, "argv", [
       "maxtext_ab.py", "--out", str(tmp_path), "--arms", "off,auto",
       "--rounds", "0", "--", "base.yml"])
