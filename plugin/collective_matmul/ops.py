@@ -15,19 +15,21 @@ dx = all_gather(dy) @ w.T. Both weight gradients need a gathered operand
 (all_gather(x).T @ dy and x.T @ all_gather(dy)); `save_gathered` says whether
 the one the collective matmul already assembled is kept for that (memory) or
 gathered again (time).
+
+Both ops are `primitives.collective_matmul`, so every JAX transformation
+composes through them: `grad` (the other collective in the backward),
+`jvp`/`jacfwd`/`linearize` (the same collective on the tangents), `vmap`,
+`hessian`, `checkpoint`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Any
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 
-from collective_matmul import ring
+from collective_matmul import primitives
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
@@ -97,229 +99,6 @@ def _plan(collective: Collective, x, w, axis_name, axis, impl, kernel_config,
                              backward_source=back.source)
 
 
-def _rows_layout(x, axis, config):
-  """How the 2-D kernels see `x[..., k]` split on dimension `axis`.
-
-  Returns (x2d, rows_per_batch, moved): with `moved` False, x2d is a free
-  reshape and `rows_per_batch` rows (dimension `axis` and everything after
-  it but k) form one contiguous run per leading index, which the kernels
-  address directly; else `axis` was moved first (a transposing copy), for
-  shapes whose runs do not fit the tiles.
-  """
-  rows = math.prod(x.shape[:-1])
-  per_batch = math.prod(x.shape[axis:-1])
-  if axis == 0 or selection.supports_rows_per_batch(config, rows, per_batch):
-    return x.reshape(rows, x.shape[-1]), per_batch, False
-  moved = jnp.moveaxis(x, axis, 0)
-  return moved.reshape(rows, x.shape[-1]), None, True
-
-
-def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                              preferred_element_type, config,
-                              return_gathered=False):
-  from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
-  axis_size = lax.axis_size(axis_name)
-  x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
-  result = kernels.all_gather_lhs_matmul(
-      x2d, w, axis_name, config=config,
-      out_dtype=preferred_element_type, rows_per_batch=per_batch,
-      return_gathered=return_gathered)
-  out2d, held = result if return_gathered else (result, None)
-  gathered_shape = list(x.shape)
-  gathered_shape[gather_axis] *= axis_size
-  if moved:
-    lead = jnp.moveaxis(x, gather_axis, 0).shape[:-1]
-    out = out2d.reshape((axis_size * lead[0],) + lead[1:] + (w.shape[1],))
-    out = jnp.moveaxis(out, 0, gather_axis)
-  else:
-    out = out2d.reshape(tuple(gathered_shape[:-1]) + (w.shape[1],))
-  if not return_gathered:
-    return out
-  # held[t] is device t's shard as the kernel saw it (2-D rows).
-  if moved:
-    lead = jnp.moveaxis(x, gather_axis, 0).shape
-    held = held.reshape((axis_size,) + lead)
-    gathered = jnp.moveaxis(held, 1, gather_axis + 1)
-  else:
-    held = held.reshape((axis_size,) + x.shape)
-    gathered = jnp.moveaxis(held, 0, gather_axis)
-  return out, gathered.reshape(gathered_shape)
-
-
-def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                  preferred_element_type, config):
-  from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
-  axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
-  # Runs of rows are addressed per row block, so they must fit one block.
-  per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
-  rows = math.prod(x.shape[:-1])
-  out_shape = list(x.shape[:-1]) + [w.shape[1]]
-  out_shape[scatter_axis] //= axis_size
-  if scatter_axis == 0 or selection.supports_rows_per_batch(
-      config, rows // axis_size, per_block):
-    out2d = kernels.matmul_reduce_scatter(
-        x.reshape(rows, x.shape[-1]), w, axis_name, config=config,
-        out_dtype=preferred_element_type, rows_per_batch=per_block)
-    return out2d.reshape(out_shape)
-  moved = jnp.moveaxis(x, scatter_axis, 0)
-  lead = moved.shape[:-1]
-  out2d = kernels.matmul_reduce_scatter(
-      moved.reshape(rows, x.shape[-1]), w, axis_name, config=config,
-      out_dtype=preferred_element_type)
-  out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
-  return jnp.moveaxis(out, 0, scatter_axis)
-
-
-def _contract_leading(a, b, precision):
-  """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
-  wider: `[p, q]`."""
-  dtype = jnp.promote_types(a.dtype, b.dtype)
-  lead = tuple(range(a.ndim - 1))
-  return lax.dot_general(
-      a.astype(dtype), b.astype(dtype), ((lead, lead), ((), ())),
-      precision=precision,
-      preferred_element_type=jnp.promote_types(dtype, jnp.float32))
-
-
-def _all_gather_matmul_impl(x, w, axis_name, gather_axis, impl, config,
-                            bidirectional, precision, preferred_element_type,
-                            return_gathered=False):
-  """The product, or `(product, all_gather(x))` with `return_gathered`;
-  `config`: the kernel's, for `pallas`."""
-  if impl == Impl.BASELINE:
-    return ring.baseline_all_gather_matmul(
-        x, w, axis_name, gather_axis=gather_axis, precision=precision,
-        preferred_element_type=preferred_element_type,
-        return_gathered=return_gathered)
-  if impl == Impl.RING:
-    return ring.ring_all_gather_matmul(
-        x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
-        precision=precision, preferred_element_type=preferred_element_type,
-        return_gathered=return_gathered)
-  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
-  # has nothing to select. The kernel hands back the shards it received.
-  return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                                   preferred_element_type, config,
-                                   return_gathered)
-
-
-def _matmul_reduce_scatter_impl(x, w, axis_name, scatter_axis, impl, config,
-                                bidirectional, precision,
-                                preferred_element_type):
-  if impl == Impl.BASELINE:
-    return ring.baseline_matmul_reduce_scatter(
-        x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
-        preferred_element_type=preferred_element_type)
-  if impl == Impl.RING:
-    return ring.ring_matmul_reduce_scatter(
-        x, w, axis_name, scatter_axis=scatter_axis,
-        bidirectional=bidirectional, precision=precision,
-        preferred_element_type=preferred_element_type)
-  return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                       preferred_element_type, config)
-
-
-def _times_weight_transposed(dy, w):
-  """`dy` and `w.T` in one dtype, the wider of the two (an f32 cotangent is
-  not rounded to bf16 to meet a bf16 weight)."""
-  dtype = jnp.promote_types(dy.dtype, w.dtype)
-  return dy.astype(dtype), w.T.astype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """Everything of one op call but its operands: the one non-differentiable
-  (hashable) argument of the custom_vjp functions.
-
-  `axis` is the gathered (all-gather) or scattered (reduce-scatter)
-  dimension of `x`; `plan` what runs forward and backward; the other fields
-  are the public ops' arguments.
-  """
-
-  axis_name: Any
-  axis: int
-  plan: selection.KernelPlan
-  bidirectional: bool
-  precision: Any
-  preferred_element_type: Any
-  save_gathered: bool
-
-  def forward_args(self):
-    """The `_*_impl` functions' arguments after the operands."""
-    return (self.axis_name, self.axis, self.plan.impl, self.plan.config,
-            self.bidirectional, self.precision, self.preferred_element_type)
-
-  def backward_args(self, out_dtype):
-    """The backward's `_*_impl` arguments after the operands: the plan's
-    backward, writing `out_dtype`."""
-    return (self.axis_name, self.axis, self.plan.backward_impl,
-            self.plan.backward_config, self.bidirectional, self.precision,
-            out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_gather_matmul(x, w, static: _Static):
-  return _all_gather_matmul_impl(x, w, *static.forward_args())
-
-
-def _all_gather_matmul_fwd(x, w, static: _Static):
-  if static.save_gathered:
-    out, gathered = _all_gather_matmul_impl(x, w, *static.forward_args(),
-                                            return_gathered=True)
-    return out, (gathered, w)
-  return _all_gather_matmul_impl(x, w, *static.forward_args()), (x, w)
-
-
-def _all_gather_matmul_bwd(static: _Static, residuals, dy):
-  # y = all_gather(x) @ w, so dx = reduce_scatter(dy @ w.T), the other
-  # collective matmul, as the plan's backward says, and
-  # dw = all_gather(x).T @ dy, from the gathered activation the forward
-  # saved or after gathering it again.
-  x_or_gathered, w = residuals
-  x_dtype = x_or_gathered.dtype
-  dy_b, w_t = _times_weight_transposed(dy, w)
-  dx = _matmul_reduce_scatter_impl(dy_b, w_t,
-                                   *static.backward_args(x_dtype))
-  gathered = x_or_gathered if static.save_gathered else lax.all_gather(
-      x_or_gathered, static.axis_name, axis=static.axis, tiled=True)
-  dw = _contract_leading(gathered, dy, static.precision).astype(w.dtype)
-  return dx.astype(x_dtype), dw
-
-
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter(x, w, static: _Static):
-  return _matmul_reduce_scatter_impl(x, w, *static.forward_args())
-
-
-def _matmul_reduce_scatter_fwd(x, w, static: _Static):
-  return _matmul_reduce_scatter_impl(x, w, *static.forward_args()), (x, w)
-
-
-def _matmul_reduce_scatter_bwd(static: _Static, residuals, dy):
-  # y = reduce_scatter(x @ w), so dx = all_gather(dy) @ w.T, the all-gather
-  # collective matmul, and dw = x.T @ all_gather(dy), from the gathered dy
-  # that one assembled or after a second all-gather.
-  x, w = residuals
-  dy_b, w_t = _times_weight_transposed(dy, w)
-  dx_and_maybe_gathered = _all_gather_matmul_impl(
-      dy_b, w_t, *static.backward_args(x.dtype),
-      return_gathered=static.save_gathered)
-  if static.save_gathered:
-    dx, gathered_dy = dx_and_maybe_gathered
-  else:
-    dx = dx_and_maybe_gathered
-    gathered_dy = lax.all_gather(dy_b, static.axis_name, axis=static.axis,
-                                 tiled=True)
-  dw = _contract_leading(x, gathered_dy, static.precision).astype(w.dtype)
-  return dx.astype(x.dtype), dw
-
-
-_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
-                              _matmul_reduce_scatter_bwd)
-
 _PLAN_ARGS_DOC = """
     impl: `pallas` (Hopper kernel), `ring` (portable, the default) or
       `baseline`; with `pallas` the backward takes the kernel where it runs
@@ -366,9 +145,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   _check_operands(x, w, gather_axis, "gather_axis")
   plan = _plan(Collective.ALL_GATHER, x, w, axis_name, gather_axis, impl,
                kernel_config, backward_impl, preferred_element_type, plan)
-  return _all_gather_matmul(x, w, _Static(
-      axis_name, gather_axis, plan, bidirectional, precision,
-      preferred_element_type, save_gathered))
+  return primitives.collective_matmul(x, w, primitives.Static(
+      Collective.ALL_GATHER, axis_name, gather_axis, plan, bidirectional,
+      precision, preferred_element_type, save_gathered))[0]
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
@@ -413,9 +192,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
   plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, scatter_axis,
                impl, kernel_config, backward_impl, preferred_element_type,
                plan)
-  return _matmul_reduce_scatter(x, w, _Static(
-      axis_name, scatter_axis, plan, bidirectional, precision,
-      preferred_element_type, save_gathered))
+  return primitives.collective_matmul(x, w, primitives.Static(
+      Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, bidirectional,
+      precision, preferred_element_type, save_gathered))[0]
 
 
 all_gather_matmul.__doc__ = all_gather_matmul.__doc__.format(

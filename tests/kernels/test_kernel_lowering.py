@@ -121,3 +121,51 @@ def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
         *args).lower(lowering_platforms=("cuda",)).as_text()
   # Two forward kernels and two in the backward.
   assert _kernel_calls(text) == 4
+
+
+@pytest.mark.parametrize("transform", ["jvp", "linearize", "jacfwd_w",
+                                       "vmap_grad_x", "vmap_grad_w"])
+def test_the_pallas_mlp_lowers_for_cuda_under_every_transformation(
+    transform, monkeypatch):
+  """Forward mode and vmap through both ops with impl="pallas" lower to the
+  kernels: jvp's primal kernels plus one per tangent term (the all-gather's
+  weight term multiplies the gathered activation its forward kept, a local
+  dot); vmap of value_and_grad folds the mapped dimension into the
+  kernels' rows or columns (or, where both operands are mapped, maps one
+  kernel), so it runs the four kernels of value_and_grad."""
+  monkeypatch.setattr(selection, "device_facts",
+                      lambda mesh=None: selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
+  mesh = _mesh(2)
+  shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
+  specs = [P(None, "x", None), P(None, "x"), P("x", None)]
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(pallas_mlp(True), out_specs=P(None, "x", None),
+                      check_vma=False)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+    run, mapped, kernels_expected = {
+        "jvp": (lambda *a: jax.jvp(f, a, a), None, 2 + 3),
+        # (Only tangents out: the reduce-scatter's primal is not needed.)
+        "linearize": (lambda *a: jax.linearize(f, *a)[1](*a), None, 1 + 3),
+        "jacfwd_w": (None, None, None),
+        "vmap_grad_x": (jax.vmap(jax.value_and_grad(loss, (0, 1, 2)),
+                                 (0, None, None)), 0, 4),
+        "vmap_grad_w": (jax.vmap(jax.value_and_grad(loss, (0, 1, 2)),
+                                 (None, 0, None)), 1, 4),
+    }[transform]
+    if transform == "jacfwd_w":
+      # jacfwd w.r.t. two scales of wi: two tangents of the weight, mapped
+      # (the all-gather's term is the local dot, the reduce-scatter's the
+      # kernel with the mapped rows folded in).
+      run = lambda x, wi, wo: jax.jacfwd(
+          lambda v: loss(x, wi * (v[0] + 2 * v[1]), wo))(
+              jnp.ones(2, jnp.bfloat16))
+      kernels_expected = 1 + 1  # (The reduce-scatter's primal unused.)
+    shapes = [((3,) + s if i == mapped else s) for i, s in enumerate(shapes)]
+    specs = [(P(None, *s) if i == mapped else s) for i, s in enumerate(specs)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, spec))
+            for s, spec in zip(shapes, specs)]
+    text = jax.jit(run).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert _kernel_calls(text) == kernels_expected, _kernel_calls(text)

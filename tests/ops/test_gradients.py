@@ -60,7 +60,7 @@ def test_grad_through_rewrite_equals_grad_through_einsum(case, impl, keys):
 
 @pytest.mark.parametrize("impl", ["ring", "baseline"])
 def test_grad_of_all_gather_matmul_in_shard_map(impl, keys):
-  """The custom_vjp itself, without the override, against the baseline op."""
+  """The op itself, without the override, against the baseline op."""
   mesh = mesh_1d(4)
   x = put(normal(keys(), (2, 16, 32), "float32"), mesh, P(None, "x", None))
   w = put(normal(keys(), (32, 16), "float32"), mesh, P(None, "x"))

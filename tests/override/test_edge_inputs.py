@@ -119,24 +119,3 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   trace(plan_only)
   (plan,) = plans
   assert plan.impl == "pallas" and not plan.is_fallback, plan
-
-
-@pytest.mark.parametrize("mode", ["jvp", "jacfwd", "linearize"])
-def test_forward_mode_through_a_rewrite_is_not_supported_yet(mode):
-  """The ops are `custom_vjp` functions, which JAX does not differentiate
-  forward (docs/ADVANCED.md says so). This pins the limitation, and the
-  reverse mode beside it: when forward mode starts to work, this fails and
-  the docs must change."""
-  mesh = mesh_1d(4)
-  x = put(jnp.ones((16, 8), jnp.float32), mesh, P("x", None))
-  w = put(jnp.ones((8, 16), jnp.float32), mesh, P(None, "x"))
-  f = lambda x: cm.dot_general(x, w, (((1,), (0,)), ((), ())),
-                               out_sharding=P(None, "x")).sum()
-  with jax.set_mesh(mesh), cm.config_context(enabled=True, impl="ring"):
-    assert jax.grad(f)(x).shape == x.shape
-    run = {"jvp": lambda x: jax.jvp(f, (x,), (x,)),
-           "jacfwd": jax.jacfwd(f),
-           "linearize": lambda x: jax.linearize(f, x)[1](x)}[mode]
-    # Traced (as in a training step), JAX says what the limitation is.
-    with pytest.raises(TypeError, match="forward-mode autodiff"):
-      jax.jit(run)(x)

@@ -25,6 +25,8 @@ LAYERS = [
     {"selection.heuristics"},
     {"selection.decide"},
     {"selection"},
+    {"implementations"},
+    {"primitives"},
     {"ops", "flags"},
     {"autotuning", "override"},
     {"einsum_override", "grouping"},

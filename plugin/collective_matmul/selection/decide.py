@@ -98,6 +98,14 @@ class KernelPlan:
     """`impl` (ring or baseline) forward and backward."""
     return KernelPlan(impl, impl)
 
+  def transposed(self) -> KernelPlan:
+    """The plan of the backward's collective matmul: this plan's backward
+    forward, and this plan's forward as its backward."""
+    return dataclasses.replace(
+        self, impl=self.backward_impl, config=self.backward_config,
+        source=self.backward_source, backward_impl=self.impl,
+        backward_config=self.config, backward_source=self.source)
+
   def describe(self, backward: bool = False) -> str:
     """'pallas 128x256x64 s4 (packaged table)', or the impl's name."""
     impl, config, source = ((self.backward_impl, self.backward_config,

@@ -1,0 +1,146 @@
+"""What runs for one collective matmul, forward only: the XLA baseline, the
+portable `ppermute` ring or the Hopper kernel, by the plan's `impl`.
+
+No differentiation here (`primitives` wraps these in the rules every JAX
+transformation needs) and no decision (the caller passes the impl and, for
+`pallas`, the kernel config). Call inside `shard_map`.
+"""
+from __future__ import annotations
+
+import math
+
+from jax import lax
+import jax.numpy as jnp
+
+from collective_matmul import ring
+from collective_matmul import selection
+from collective_matmul.enums import Impl
+
+
+def _rows_layout(x, axis, config):
+  """How the 2-D kernels see `x[..., k]` split on dimension `axis`.
+
+  Returns (x2d, rows_per_batch, moved): with `moved` False, x2d is a free
+  reshape and `rows_per_batch` rows (dimension `axis` and everything after
+  it but k) form one contiguous run per leading index, which the kernels
+  address directly; else `axis` was moved first (a transposing copy), for
+  shapes whose runs do not fit the tiles.
+  """
+  rows = math.prod(x.shape[:-1])
+  per_batch = math.prod(x.shape[axis:-1])
+  if axis == 0 or selection.supports_rows_per_batch(config, rows, per_batch):
+    return x.reshape(rows, x.shape[-1]), per_batch, False
+  moved = jnp.moveaxis(x, axis, 0)
+  return moved.reshape(rows, x.shape[-1]), None, True
+
+
+def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
+                              preferred_element_type, config,
+                              return_gathered=False):
+  from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
+  axis_size = lax.axis_size(axis_name)
+  x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
+  result = kernels.all_gather_lhs_matmul(
+      x2d, w, axis_name, config=config,
+      out_dtype=preferred_element_type, rows_per_batch=per_batch,
+      return_gathered=return_gathered)
+  out2d, held = result if return_gathered else (result, None)
+  gathered_shape = list(x.shape)
+  gathered_shape[gather_axis] *= axis_size
+  if moved:
+    lead = jnp.moveaxis(x, gather_axis, 0).shape[:-1]
+    out = out2d.reshape((axis_size * lead[0],) + lead[1:] + (w.shape[1],))
+    out = jnp.moveaxis(out, 0, gather_axis)
+  else:
+    out = out2d.reshape(tuple(gathered_shape[:-1]) + (w.shape[1],))
+  if not return_gathered:
+    return out
+  # held[t] is device t's shard as the kernel saw it (2-D rows).
+  if moved:
+    lead = jnp.moveaxis(x, gather_axis, 0).shape
+    held = held.reshape((axis_size,) + lead)
+    gathered = jnp.moveaxis(held, 1, gather_axis + 1)
+  else:
+    held = held.reshape((axis_size,) + x.shape)
+    gathered = jnp.moveaxis(held, 0, gather_axis)
+  return out, gathered.reshape(gathered_shape)
+
+
+def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
+                                  preferred_element_type, config):
+  from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
+  axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
+  # Runs of rows are addressed per row block, so they must fit one block.
+  per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
+  rows = math.prod(x.shape[:-1])
+  out_shape = list(x.shape[:-1]) + [w.shape[1]]
+  out_shape[scatter_axis] //= axis_size
+  if scatter_axis == 0 or selection.supports_rows_per_batch(
+      config, rows // axis_size, per_block):
+    out2d = kernels.matmul_reduce_scatter(
+        x.reshape(rows, x.shape[-1]), w, axis_name, config=config,
+        out_dtype=preferred_element_type, rows_per_batch=per_block)
+    return out2d.reshape(out_shape)
+  moved = jnp.moveaxis(x, scatter_axis, 0)
+  lead = moved.shape[:-1]
+  out2d = kernels.matmul_reduce_scatter(
+      moved.reshape(rows, x.shape[-1]), w, axis_name, config=config,
+      out_dtype=preferred_element_type)
+  out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
+  return jnp.moveaxis(out, 0, scatter_axis)
+
+
+def contract_leading(a, b, precision):
+  """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
+  wider: `[p, q]`."""
+  dtype = jnp.promote_types(a.dtype, b.dtype)
+  lead = tuple(range(a.ndim - 1))
+  return lax.dot_general(
+      a.astype(dtype), b.astype(dtype), ((lead, lead), ((), ())),
+      precision=precision,
+      preferred_element_type=jnp.promote_types(dtype, jnp.float32))
+
+
+def all_gather_matmul(x, w, axis_name, gather_axis, impl, config,
+                            bidirectional, precision, preferred_element_type,
+                            return_gathered=False):
+  """The product, or `(product, all_gather(x))` with `return_gathered`;
+  `config`: the kernel's, for `pallas`."""
+  if impl == Impl.BASELINE:
+    return ring.baseline_all_gather_matmul(
+        x, w, axis_name, gather_axis=gather_axis, precision=precision,
+        preferred_element_type=preferred_element_type,
+        return_gathered=return_gathered)
+  if impl == Impl.RING:
+    return ring.ring_all_gather_matmul(
+        x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
+        precision=precision, preferred_element_type=preferred_element_type,
+        return_gathered=return_gathered)
+  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
+  # has nothing to select. The kernel hands back the shards it received.
+  return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
+                                   preferred_element_type, config,
+                                   return_gathered)
+
+
+def matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, config,
+                                bidirectional, precision,
+                                preferred_element_type):
+  if impl == Impl.BASELINE:
+    return ring.baseline_matmul_reduce_scatter(
+        x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
+        preferred_element_type=preferred_element_type)
+  if impl == Impl.RING:
+    return ring.ring_matmul_reduce_scatter(
+        x, w, axis_name, scatter_axis=scatter_axis,
+        bidirectional=bidirectional, precision=precision,
+        preferred_element_type=preferred_element_type)
+  return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
+                                       preferred_element_type, config)
+
+
+def times_weight_transposed(dy, w):
+  """`dy` and `w.T` in one dtype, the wider of the two (an f32 cotangent is
+  not rounded to bf16 to meet a bf16 weight)."""
+  dtype = jnp.promote_types(dy.dtype, w.dtype)
+  return dy.astype(dtype), w.T.astype(dtype)

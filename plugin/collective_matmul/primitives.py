@@ -1,0 +1,289 @@
+"""The collective matmuls as JAX primitives, with a rule for every
+transformation: `jit`, `grad`/`vjp`, `jvp`/`jacfwd`/`linearize`, `vmap`,
+`hessian` and `checkpoint` compose through them.
+
+Two primitives:
+
+- `collective_matmul(x, w)`: y = all_gather(x) @ w or reduce_scatter(x @ w)
+  (`Static.collective`), optionally with all_gather(x) as a second result.
+  It carries the traced forward (`implementations`, with the plan's impl)
+  as its `impl_jaxpr`, so the kernels are traced, and their errors raised,
+  where the op is called; lowering inlines that jaxpr.
+- `collective_matmul_tangent(res, w, dx?, dw?)`: its tangent,
+  C(dx, w) + C(x, dw) for the collective matmul C, linear in (dx, dw) with
+  (res, w) held. Its transpose is the backward: dx's cotangent through the
+  *other* collective matmul with the plan's backward impl, dw's from the
+  gathered operand, once for both (the forward's gathered activation where
+  `save_gathered` kept it; for the reduce-scatter, the cotangent that dx's
+  all-gather matmul assembled). Evaluated (forward mode) it runs C again,
+  with the forward's impl.
+
+Differentiating C gives C for the primal and a tangent; `grad` transposes
+the tangent, binding C (the transposed collective) again, so every order of
+`grad`, `jvp` and `vmap` keeps the kernels. `vmap` folds the mapped
+dimension into C's operands (a leading dimension of x, or columns of w) and
+maps over it only where both operands are mapped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+# What `jax.extend.core` re-exports (importing `jax.extend` imports Pallas,
+# which `import collective_matmul` must not).
+from jax._src import core as jex_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+import jax.numpy as jnp
+
+from collective_matmul import implementations
+from collective_matmul import selection
+from collective_matmul.enums import Collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything of one collective matmul but its operands (hashable: the
+  primitives' parameter).
+
+  `axis` is the gathered (all-gather) or scattered (reduce-scatter)
+  dimension of `x`; `plan` what runs forward and backward; the other fields
+  are the public ops' arguments.
+  """
+
+  collective: Collective
+  axis_name: Any
+  axis: int
+  plan: selection.KernelPlan
+  bidirectional: bool
+  precision: Any
+  preferred_element_type: Any
+  save_gathered: bool
+
+  @property
+  def keeps_gathered(self) -> bool:
+    """The all-gather matmul's forward keeps all_gather(x) for the weight
+    gradient."""
+    return self.collective == Collective.ALL_GATHER and self.save_gathered
+
+  def transposed(self, out_dtype) -> Static:
+    """The backward's collective matmul (dx's), writing `out_dtype`: the
+    other collective with the plan's backward, whose own backward is this
+    one's forward."""
+    return dataclasses.replace(self, collective=self.collective.transpose,
+                               plan=self.plan.transposed(),
+                               preferred_element_type=out_dtype)
+
+
+def _forward(static: Static, return_gathered: bool):
+  """The function `collective_matmul` runs: (x, w) -> [y] or
+  [y, all_gather(x)]."""
+  plan = static.plan
+  if static.collective == Collective.ALL_GATHER:
+    def run(x, w):
+      out = implementations.all_gather_matmul(
+          x, w, static.axis_name, static.axis, plan.impl, plan.config,
+          static.bidirectional, static.precision,
+          static.preferred_element_type, return_gathered=return_gathered)
+      return list(out) if return_gathered else [out]
+  else:
+    if return_gathered:
+      raise ValueError("only the all-gather matmul gathers its operand")
+
+    def run(x, w):
+      return [implementations.matmul_reduce_scatter(
+          x, w, static.axis_name, static.axis, plan.impl, plan.config,
+          static.bidirectional, static.precision,
+          static.preferred_element_type)]
+  return run
+
+
+def collective_matmul(x, w, static: Static, return_gathered: bool = False):
+  """[y] or, with `return_gathered` (all-gather only), [y, all_gather(x)].
+  Inside `shard_map`, over `static.axis_name`.
+
+  The forward is traced here, once: a rule that binds the primitive again
+  with the same operands passes this trace on (an all-gather matmul that
+  keeps its gathered operand returns it from the start, unused unless
+  differentiated, so its JVP need not trace again)."""
+  return_gathered = return_gathered or static.keeps_gathered
+  impl_jaxpr = jax.make_jaxpr(_forward(static, return_gathered))(x, w)
+  return collective_matmul_p.bind(x, w, static=static,
+                                  return_gathered=return_gathered,
+                                  impl_jaxpr=impl_jaxpr)
+
+
+collective_matmul_p = jex_core.Primitive("collective_matmul")
+collective_matmul_p.multiple_results = True
+
+
+def _run_impl_jaxpr(*args, impl_jaxpr, **_):
+  return jex_core.jaxpr_as_fun(impl_jaxpr)(*args)
+
+
+collective_matmul_p.def_impl(_run_impl_jaxpr)
+collective_matmul_p.def_effectful_abstract_eval(
+    lambda *_, impl_jaxpr, **__: (impl_jaxpr.out_avals, impl_jaxpr.effects))
+mlir.register_lowering(collective_matmul_p,
+                       mlir.lower_fun(_run_impl_jaxpr, multiple_results=True))
+
+
+def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
+                           impl_jaxpr):
+  x, w = primals
+  dx, dw = (None if type(t) is ad.Zero else t for t in tangents)
+  outs = collective_matmul_p.bind(x, w, static=static,
+                                  return_gathered=return_gathered,
+                                  impl_jaxpr=impl_jaxpr)
+  # The weight's tangent term multiplies the gathered activation: the one
+  # the forward assembled where it kept it, else x (gathered again by the
+  # term itself).
+  use_gathered = return_gathered and dw is not None
+  dy = tangent(outs[1] if use_gathered else x, w, dx, dw, static,
+               gathered=use_gathered, out_aval=jax.typeof(outs[0]))
+  if not return_gathered:
+    return outs, [dy]
+  # all_gather(x)'s tangent is all_gather(dx).
+  dgathered = (ad.Zero(jax.typeof(outs[1]).to_tangent_aval()) if dx is None
+               else lax.all_gather(dx, static.axis_name, axis=static.axis,
+                                   tiled=True))
+  return outs, [dy, dgathered]
+
+
+def _collective_matmul_batch(args, dims, *, static, return_gathered,
+                             impl_jaxpr):
+  del impl_jaxpr
+  x, w = args
+  bx, bw = dims
+  if bw is None:
+    # A new leading dimension of x, before the gathered/scattered one.
+    x = jnp.moveaxis(x, bx, 0)
+    outs = collective_matmul(
+        x, w, dataclasses.replace(static, axis=static.axis + 1),
+        return_gathered)
+    return outs, [0] * len(outs)
+  if bx is None:
+    # The mapped weights side by side: columns [k, B * n].
+    w = jnp.moveaxis(w, bw, 1)
+    k, size, n = w.shape
+    outs = collective_matmul(x, w.reshape(k, size * n), static,
+                             return_gathered)
+    y = outs[0].reshape(outs[0].shape[:-1] + (size, n))
+    return ([jnp.moveaxis(y, -2, 0)] + outs[1:],
+            [0] + [None] * (len(outs) - 1))
+  # Both mapped: one collective matmul per index.
+  outs = lax.map(
+      lambda xw: tuple(collective_matmul(*xw, static, return_gathered)),
+      (jnp.moveaxis(x, bx, 0), jnp.moveaxis(w, bw, 0)))
+  return list(outs), [0] * len(outs)
+
+
+ad.primitive_jvps[collective_matmul_p] = _collective_matmul_jvp
+batching.primitive_batchers[collective_matmul_p] = _collective_matmul_batch
+
+
+def tangent(res, w, dx, dw, static: Static, *, gathered: bool, out_aval):
+  """C(dx, w) + C(x, dw), linear in the tangents `dx` and `dw` (None:
+  zero, not both). `res` is x, or all_gather(x) with `gathered`;
+  `out_aval` is y's."""
+  lin = [t for t in (dx, dw) if t is not None]
+  return collective_matmul_tangent_p.bind(
+      res, w, *lin, static=static, has_dx=dx is not None,
+      has_dw=dw is not None, gathered=gathered, out_aval=out_aval)
+
+
+def _tangent_eval(res, w, *lin, static, has_dx, has_dw, gathered, out_aval):
+  """The tangent in terms of `collective_matmul` (and, with `gathered`, a
+  local dot): what forward mode runs, and how it is batched and
+  differentiated again."""
+  lin = list(lin)
+  dx = lin.pop(0) if has_dx else None
+  dw = lin.pop(0) if has_dw else None
+  terms = []
+  if dx is not None:
+    terms.append(collective_matmul(dx, w, static)[0])
+  if dw is not None:
+    if gathered:
+      terms.append(lax.dot_general(
+          res, dw, (((res.ndim - 1,), (0,)), ((), ())),
+          precision=static.precision,
+          preferred_element_type=static.preferred_element_type))
+    else:
+      terms.append(collective_matmul(res, dw, static)[0])
+  out = terms[0].astype(out_aval.dtype)
+  for term in terms[1:]:
+    out = out + term.astype(out_aval.dtype)
+  return out
+
+
+def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
+                       out_aval):
+  """The backward: cotangents of (dx, dw) from y's cotangent `ct`."""
+  del out_aval
+  if ad.is_undefined_primal(res) or ad.is_undefined_primal(w):
+    raise ValueError("collective_matmul_tangent is linear in its tangents "
+                     "only")
+  lin = list(lin)
+  dx_aval = lin.pop(0).aval if has_dx else None
+  dw_aval = lin.pop(0).aval if has_dw else None
+  ct = ad.instantiate_zeros(ct)
+  ct_b, w_t = implementations.times_weight_transposed(ct, w)
+  ct_dx = ct_dw = gathered_ct = None
+  if static.collective == Collective.ALL_GATHER:
+    # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),
+    # dw = all_gather(x).T @ dy.
+    if has_dx:
+      ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_aval.dtype))[0]
+    if has_dw:
+      x_all = res if gathered else lax.all_gather(
+          res, static.axis_name, axis=static.axis, tiled=True)
+      ct_dw = implementations.contract_leading(x_all, ct, static.precision)
+  else:
+    # y = reduce_scatter(x @ w): dx = all_gather(dy) @ w.T,
+    # dw = x.T @ all_gather(dy), from the gathered dy dx's all-gather
+    # matmul assembled where `save_gathered` keeps it.
+    if has_dx:
+      keep = static.save_gathered and has_dw
+      outs = collective_matmul(ct_b, w_t, static.transposed(dx_aval.dtype),
+                               return_gathered=keep)
+      ct_dx = outs[0]
+      gathered_ct = outs[1] if keep else None
+    if has_dw:
+      if gathered_ct is None:
+        gathered_ct = lax.all_gather(ct_b, static.axis_name,
+                                     axis=static.axis, tiled=True)
+      ct_dw = implementations.contract_leading(res, gathered_ct,
+                                               static.precision)
+  cts = []
+  if has_dx:
+    cts.append(ct_dx.astype(dx_aval.dtype))
+  if has_dw:
+    cts.append(ct_dw.astype(dw_aval.dtype))
+  return [None, None] + cts
+
+
+def _tangent_jvp(primals, tangents, **params):
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  return jax.jvp(functools.partial(_tangent_eval, **params), tuple(primals),
+                 tuple(tangents))
+
+
+def _tangent_batch(args, dims, **params):
+  out = jax.vmap(functools.partial(_tangent_eval, **params),
+                 in_axes=tuple(dims))(*args)
+  return out, 0
+
+
+collective_matmul_tangent_p = jex_core.Primitive("collective_matmul_tangent")
+collective_matmul_tangent_p.def_impl(_tangent_eval)
+collective_matmul_tangent_p.def_abstract_eval(
+    lambda *_, out_aval, **__: out_aval)
+mlir.register_lowering(collective_matmul_tangent_p,
+                       mlir.lower_fun(_tangent_eval, multiple_results=False))
+ad.primitive_jvps[collective_matmul_tangent_p] = _tangent_jvp
+ad.primitive_transposes[collective_matmul_tangent_p] = _tangent_transpose
+batching.primitive_batchers[collective_matmul_tangent_p] = _tangent_batch
