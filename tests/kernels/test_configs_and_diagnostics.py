@@ -122,3 +122,51 @@ def test_kernels_trace_their_ring_in_loopback_only_when_wrapped(
           in_specs=tuple(in_specs), out_specs=out_spec, check_vma=False),
                      *args)
   assert seen == [True, False]
+
+
+def test_cluster_dimension_pads_to_the_cluster_tile():
+  """A 2-block cluster's tile is two CTA tiles along its dimension; the
+  operands are padded to it. No cluster: the CTA tile, as before."""
+  from collective_matmul.kernels import schedule  # pylint: disable=g-import-not-at-top
+  plain = kernels.AllGatherConfig()
+  assert (plain.cluster_size, plain.cluster_tile_m, plain.cluster_tile_n) == (
+      1, plain.cta_tile_m, plain.cta_tile_n)
+  along_m = kernels.AllGatherConfig(cluster_dimension="m")
+  assert (along_m.cluster_size, along_m.cluster_tile_m,
+          along_m.cluster_tile_n) == (2, 256, 256)
+  along_n = kernels.ReduceScatterConfig(cluster_dimension="n")
+  assert (along_n.cluster_tile_m, along_n.cluster_tile_n) == (128, 512)
+  assert schedule.padding(along_m, 384, 1024, 512) == schedule.Padding(
+      m=128, k=0, n=0)
+  assert schedule.padding(plain, 384, 1024, 512) == schedule.Padding(
+      m=0, k=0, n=0)
+  assert not schedule.supports_rows_per_batch(along_m, 512, 128)
+  assert schedule.supports_rows_per_batch(plain, 512, 128)
+  # Same shared memory: each block still holds whole slots.
+  assert along_m.smem_bytes(2, 2) == plain.smem_bytes(2, 2)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(cluster_dimension="k"), "cluster_dimension"),
+    (dict(cluster_dimension="m", sender_sms=4), "sender_sms=0"),
+])
+def test_cluster_dimension_is_validated(fields, match):
+  with pytest.raises(ValueError, match=match):
+    kernels.AllGatherConfig(**fields)
+
+
+def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
+  """`epi_slots=1`: the whole warpgroup tile in one slot per warpgroup (a
+  128 x 128 tile's epilogue in 64 KB, beside 3 pipeline stages); the
+  default keeps two."""
+  two = kernels.ReduceScatterConfig(epi_tile_m=128, epi_tile_n=128,
+                                    max_concurrent_steps=3)
+  one = kernels.ReduceScatterConfig(epi_tile_m=128, epi_tile_n=128,
+                                    max_concurrent_steps=3, epi_slots=1)
+  assert kernels.ReduceScatterConfig().epi_slots == 2
+  assert two.smem_bytes(2, 2) - one.smem_bytes(2, 2) == 2 * 128 * 128 * 2
+  assert one.smem_bytes(2, 2) <= configs.SMEM_BYTES
+  with pytest.raises(ValueError, match="whole tile"):
+    kernels.AllGatherConfig(epi_slots=1)  # 64 x 64 of a 128 x 128 tile.
+  with pytest.raises(ValueError, match="1 or 2"):
+    kernels.AllGatherConfig(epi_slots=3)

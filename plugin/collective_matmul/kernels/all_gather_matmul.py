@@ -332,6 +332,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   n = rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
   ring_skeleton.check_config(config, AllGatherConfig)
+  ring_skeleton.check_cluster(config, axis_size)
   if config.sender_sms >= configs.sm_count():
     raise ValueError(
         f"sender_sms={config.sender_sms} leaves no block to multiply on "
@@ -353,7 +354,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                         axis_size=axis_size, config=config, m_shard=m_shard,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active()),
-      out_types)
+      out_types, cluster_size=config.cluster_size)
   results = kernel(lhs, rhs)
   out = results[0]
   if pad.m or pad.n:

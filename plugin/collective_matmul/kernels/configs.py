@@ -56,6 +56,12 @@ def dtype_reason(dtype, out_dtype=None) -> str | None:
   return None
 
 
+# `TileConfig` fields added after configs were first stored (tuned tables,
+# autotune caches, the selection tests' decision grid), with their defaults:
+# `to_json` leaves them out at those defaults.
+LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None}
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
   """Tiling and pipeline of the warp-specialized matmul both kernels run.
@@ -69,11 +75,23 @@ class TileConfig:
     grid_minor_dim, grid_tile_width: order of output tiles within one ring
       step (planar snake, for L2 reuse).
     epi_tile_m, epi_tile_n: epilogue store granularity.
+    epi_slots: shared-memory epilogue slots per warpgroup: 2 (default),
+      epilogue tile i goes through slot i % 2; or 1, where the epilogue
+      tile is the whole warpgroup tile (one store per tile, no wait for a
+      slot, and the shared memory of one slot less).
     chain_tiles: a block's tiles share one pipeline, so the next tile's
       first k blocks load while this one's last steps and epilogue run
       (where the pipeline releases slots at once and k_iters is a multiple
       of `max_concurrent_steps`); False: each tile's pipeline starts with
       a prologue once the previous one's slots are all consumed.
+    cluster_dimension: None (default: blocks of one, each loading its own
+      operands), or "m" / "n": blocks run in 2-block clusters whose two
+      CTA tiles are neighbours along this dimension and share the other
+      operand's k blocks through TMA multicast ("m": both need the same B
+      block, each block loads half of it for both; "n": the same A block).
+      The kernels take it on a one-device axis only for now (the ring
+      schedules do not pair their blocks); the operands are padded to the
+      cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
   """
 
   tile_m: int = 128
@@ -86,6 +104,8 @@ class TileConfig:
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   chain_tiles: bool = False
+  epi_slots: int = 2
+  cluster_dimension: str | None = None
 
   def __post_init__(self):
     for value, name in ((self.tile_m, "tile_m"), (self.tile_n, "tile_n"),
@@ -101,6 +121,16 @@ class TileConfig:
       raise ValueError(f"{self.wg_dimension=} must be 'm' or 'n'")
     if self.grid_minor_dim not in ("m", "n"):
       raise ValueError(f"{self.grid_minor_dim=} must be 'm' or 'n'")
+    if self.epi_slots not in (1, 2):
+      raise ValueError(f"{self.epi_slots=} must be 1 or 2")
+    if self.epi_slots == 1 and (self.epi_tile_m, self.epi_tile_n) != (
+        self.tile_m, self.tile_n):
+      raise ValueError(
+          f"epi_slots=1 needs the epilogue tile {self.epi_tile_m}x"
+          f"{self.epi_tile_n} to be the whole tile {self.tile_m}x{self.tile_n}")
+    if self.cluster_dimension not in (None, "m", "n"):
+      raise ValueError(
+          f"{self.cluster_dimension=} must be None, 'm' or 'n'")
     if self.grid_tile_width < 1:
       raise ValueError(f"{self.grid_tile_width=} must be >= 1")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
@@ -116,11 +146,27 @@ class TileConfig:
   def cta_tile_n(self) -> int:
     return self.tile_n * (2 if self.wg_dimension == "n" else 1)
 
+  @property
+  def cluster_size(self) -> int:
+    """Blocks per cluster (`cluster_dimension`)."""
+    return 1 if self.cluster_dimension is None else 2
+
+  @property
+  def cluster_tile_m(self) -> int:
+    """Rows of a cluster's output tile: the unit m is padded to."""
+    return self.cta_tile_m * (2 if self.cluster_dimension == "m" else 1)
+
+  @property
+  def cluster_tile_n(self) -> int:
+    """Columns of a cluster's output tile: the unit n is padded to."""
+    return self.cta_tile_n * (2 if self.cluster_dimension == "n" else 1)
+
   def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates per block."""
     pipeline = self.max_concurrent_steps * self.tile_k * (
         self.cta_tile_m + self.cta_tile_n) * itemsize
-    epilogue = 2 * 2 * self.epi_tile_m * self.epi_tile_n * out_itemsize
+    epilogue = (2 * self.epi_slots * self.epi_tile_m * self.epi_tile_n
+                * out_itemsize)
     return pipeline + epilogue + SMEM_RESERVE
 
   def tile_fields(self) -> dict[str, Any]:
@@ -129,7 +175,15 @@ class TileConfig:
             for f in dataclasses.fields(TileConfig)}
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The fields, as stored in the tuned tables and caches. Fields added
+    since (`LATER_FIELDS`) are written only where they differ from their
+    defaults, so a config from before serialises as it always did (a field
+    left out takes its default when read back)."""
+    out = dataclasses.asdict(self)
+    for name, default in LATER_FIELDS.items():
+      if out.get(name, default) == default:
+        out.pop(name, None)
+    return out
 
 
 def _check_send_gap(send_gap):
@@ -190,6 +244,10 @@ class AllGatherConfig(TileConfig):
     _check_send_gap(self.send_gap)
     if self.sender_sms < 0:
       raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
+    if self.sender_sms and self.cluster_dimension is not None:
+      raise ValueError(
+          f"cluster_dimension={self.cluster_dimension!r} needs sender_sms=0 "
+          "(sender blocks are not paired into clusters)")
     if self.k_major_sends and not self.sender_sms:
       raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
                        "the dedicated senders' copies)")

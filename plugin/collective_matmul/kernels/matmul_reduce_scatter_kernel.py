@@ -251,6 +251,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
                      f"devices of {axis_name!r}")
   m = rows // axis_size
   ring_skeleton.check_config(config, ReduceScatterConfig)
+  ring_skeleton.check_cluster(config, axis_size)
   batch_major = rows_per_batch is not None and rows_per_batch != m
   pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, x.dtype,
                                                 out_dtype, rows_per_batch)
@@ -273,6 +274,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
                         axis_size=axis_size, config=config, m_block=m_block,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active()),
-      out_types)
+      out_types, cluster_size=config.cluster_size)
   out = kernel(x, w)[0]
   return out[:m, :n] if (pad.m or pad.n) else out

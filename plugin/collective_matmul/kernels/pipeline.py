@@ -20,7 +20,7 @@ def swizzled(dtype, cols: int):
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
                     delay_release=1, before_load=None, chained=False,
-                    first_step=None):
+                    first_step=None, multicast=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -50,8 +50,17 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   same way). Leaving one step's wgmmas in flight with `delay_release=0`
   lets the next TMA load overwrite a slot a wgmma still reads (fixed in
   de65204; `tests/kernels` checks every wait against the release).
+
+  `multicast` ("m" or "n", `TileConfig.cluster_dimension`): the block is
+  one of a 2-block cluster along that dimension, whose blocks run the same
+  steps on the same B ("m") or A ("n") k blocks: that operand is loaded
+  once for both, by TMA multicast (each block loads half), and a slot is
+  free again only once both blocks' compute warpgroups consumed it (the
+  consumed barriers are cluster barriers). None: no cluster.
   """
   order = k_order or (lambda kk: kk)
+  if multicast not in (None, "m", "n"):
+    raise ValueError(f"{multicast=} must be None, 'm' or 'n'")
   if chained and k_iters % max_concurrent_steps:
     if first_step is None:
       raise ValueError("a chained pipeline whose steps are no multiple of "
@@ -60,7 +69,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         stages=max_concurrent_steps, order=order, before_load=before_load,
-        first_step=first_step)
+        first_step=first_step, multicast=multicast)
 
   def waited_body(idxs, a_smem, b_smem, carry):
     carry = body(idxs, a_smem, b_smem, carry)
@@ -84,10 +93,12 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       in_specs=[
           plgpu.BlockSpec((cta_tile_m, tile_k), a_block,
                           transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=delay_release),
+                          delay_release=delay_release,
+                          **_shared("n", multicast)),
           plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
                           transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=delay_release),
+                          delay_release=delay_release,
+                          **_shared("m", multicast)),
       ],
       wg_axis="wg",
       num_compute_wgs=2,
@@ -95,6 +106,19 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       compute_context=compute_context,
       pipeline_state=plgpu.PipelinePipeline.STEADY if chained else None,
   )
+
+
+# The cluster axis of `ring_skeleton.kernel_call`.
+CLUSTER_AXIS = "cluster"
+
+
+def _shared(cluster_dimension, multicast):
+  """BlockSpec arguments of the operand that blocks clustered along
+  `cluster_dimension` share (A along n, B along m) when `multicast` is
+  that dimension."""
+  if multicast != cluster_dimension:
+    return {}
+  return dict(collective_axes=(CLUSTER_AXIS,))
 
 
 # Registers per thread: the memory warpgroup's, and what that leaves each of
@@ -116,18 +140,28 @@ class _OffsetChain:
   issues wgmmas), wait for its wgmmas and free the slot, as JAX's
   pipeline does with `delay_release=0`. Allocations have the layout of
   JAX's, so `chain_slots_free` and the skeleton's allocation are the same
-  for both."""
+  for both; with `multicast` as JAX's with that BlockSpec's
+  `collective_axes` (cluster barriers for `consumed`, one operand loaded
+  by multicast)."""
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
-               k_iters, dtype, stages, order, before_load, first_step):
+               k_iters, dtype, stages, order, before_load, first_step,
+               multicast=None):
     self.body, self.compute_context = body, compute_context
     self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
                                                      tile_k)
     self.k_iters, self.stages, self.order = k_iters, stages, order
     self.before_load, self.first_step = before_load, first_step
     self.transforms = swizzled(dtype, tile_k)
+    self.multicast = multicast
 
   def get_allocations(self, a_ref, b_ref):
+    if self.multicast is None:
+      consumed = plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)
+    else:
+      consumed = plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,),
+                                      num_arrivals=2,
+                                      num_barriers=self.stages)
     return dict(
         flat_in_smem_refs=[
             plgpu.SMEM((self.stages, self.cta_tile_m, self.tile_k),
@@ -137,8 +171,7 @@ class _OffsetChain:
         flat_out_smem_refs=[],
         flat_produced_barrier_refs=[
             plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)],
-        flat_consumed_barrier_refs=[
-            plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)])
+        flat_consumed_barrier_refs=[consumed])
 
   def __call__(self, a_ref, b_ref, *, allocations):
     a_smem, b_smem = allocations["flat_in_smem_refs"]
@@ -163,9 +196,11 @@ class _OffsetChain:
           self.before_load(kk)
         cols = pl.ds(self.order(kk) * tile_k, tile_k)
         plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(0, self.cta_tile_m), cols],
-                                a_smem.at[s], produced.at[s])
+                                a_smem.at[s], produced.at[s],
+                                **_shared("n", self.multicast))
         plgpu.copy_gmem_to_smem(b_ref.at[cols, pl.ds(0, self.cta_tile_n)],
-                                b_smem.at[s], produced.at[s])
+                                b_smem.at[s], produced.at[s],
+                                **_shared("m", self.multicast))
 
     @pl.when(wg < 2)
     def _compute():
@@ -208,3 +243,19 @@ def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps):
   def _free():
     for slot in range(max_concurrent_steps):
       plgpu.barrier_arrive(consumed.at[slot])
+
+
+def chain_drain(pipeline_allocs, wg_idx, max_concurrent_steps, steps):
+  """After the last of chained pipelines in a 2-block cluster, `steps`
+  pipeline steps in all: the memory warpgroup waits for the consumption
+  of the last `max_concurrent_steps` steps (slots (steps + j) % depth),
+  which no load waited for. Chained pipelines skip JAX's final wait, which
+  a block alone does not need; in a cluster the peer's compute warpgroups
+  arrive on this block's consumed barriers, so the block must not exit
+  before they have."""
+  [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
+
+  @pl.when(wg_idx == 2)
+  def _drain():
+    for j in range(max_concurrent_steps):
+      plgpu.barrier_wait(consumed.at[lax.rem(steps + j, max_concurrent_steps)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -19,6 +20,7 @@ from collective_matmul.kernels import configs
 from collective_matmul.kernels import schedule
 from collective_matmul.kernels import tracing
 from collective_matmul.kernels.pipeline import can_chain
+from collective_matmul.kernels.pipeline import chain_drain
 from collective_matmul.kernels.pipeline import chain_slots_free
 from collective_matmul.kernels.pipeline import matmul_pipeline
 from collective_matmul.kernels.pipeline import swizzled
@@ -32,17 +34,18 @@ def peer_id(axis_name, index):
   return index
 
 
-def kernel_call(body, out_types):
+def kernel_call(body, out_types, cluster_size: int = 1):
   """A persistent kernel: one block per SM, 3 warpgroups (traced under
-  `tracing.trace_warpgroups`)."""
+  `tracing.trace_warpgroups`), in clusters of `cluster_size` blocks
+  (`TileConfig.cluster_size`; the grid then counts clusters)."""
   params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                 **tracing.profiler_params())
   return plgpu.kernel(
       body,
       out_type=out_types,
-      grid=(configs.sm_count(),),
+      grid=(configs.sm_count() // cluster_size,),
       grid_names=("cluster_grid",),
-      cluster=(1,),
+      cluster=(cluster_size,),
       cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
@@ -71,6 +74,15 @@ def check_config(config, config_class):
   if not isinstance(config, config_class):
     raise TypeError(f"config={config!r} must be a {config_class.__name__} "
                     "(`collective_matmul.selection` picks one for a shape)")
+
+
+def check_cluster(config, axis_size):
+  """Clusters (`TileConfig.cluster_dimension`) run on a one-device axis
+  only: the ring schedules do not pair their blocks yet."""
+  if config.cluster_dimension is not None and axis_size != 1:
+    raise ValueError(
+        f"cluster_dimension={config.cluster_dimension!r} runs on a "
+        f"one-device axis only, not on {axis_size} devices")
 
 
 def check_shared_memory(config, dtype, out_dtype):
@@ -146,15 +158,27 @@ class TileGrid:
     return acc[mi * c.epi_tile_m:(mi + 1) * c.epi_tile_m,
                ni * c.epi_tile_n:(ni + 1) * c.epi_tile_n]
 
+  @property
+  def cluster_iters(self) -> tuple[int, int]:
+    """Cluster tiles along m and n (CTA tiles without a cluster)."""
+    c = self.config
+    return (self.m_iters // (2 if c.cluster_dimension == "m" else 1),
+            self.n_iters // (2 if c.cluster_dimension == "n" else 1))
+
   def coordinates(self, linear):
     """Linear tile index -> (ring step, m tile, n tile): steps outermost,
-    a planar snake within a step."""
+    a planar snake within a step. With a cluster the linear index counts
+    cluster tiles, and this block's CTA tile is its cluster index's half."""
     c = self.config
-    step, in_step = schedule.tile_coordinates(linear, self.m_iters,
-                                              self.n_iters)
+    cluster_m, cluster_n = self.cluster_iters
+    step, in_step = schedule.tile_coordinates(linear, cluster_m, cluster_n)
     m_idx, n_idx = plgpu.planar_snake(
-        in_step, (self.m_iters, self.n_iters),
+        in_step, (cluster_m, cluster_n),
         0 if c.grid_minor_dim == "m" else 1, c.grid_tile_width)
+    if c.cluster_dimension == "m":
+      m_idx = m_idx * 2 + lax.axis_index("cluster")
+    elif c.cluster_dimension == "n":
+      n_idx = n_idx * 2 + lax.axis_index("cluster")
     return step, m_idx, n_idx
 
 
@@ -205,8 +229,9 @@ class Tile:
   scratch: dict[str, Any]
 
   def slot(self, i):
-    """The epilogue slot epilogue tile i goes through (i % 2)."""
-    return self.out_smem.at[self.grid.wg_idx, i % 2]
+    """The epilogue slot epilogue tile i goes through (i % 2, or the one
+    slot with `epi_slots=1`)."""
+    return self.out_smem.at[self.grid.wg_idx, i % self.grid.config.epi_slots]
 
   def to_output(self, src, epi):
     """Stores `src` as the part `epi` of this warpgroup's output tile."""
@@ -216,18 +241,20 @@ class Tile:
 
   def store_accumulator(self, acc, store, received: Received | None = None):
     """Stores the warpgroup's tile `acc` (out dtype) through its two epilogue
-    slots: tile i is written to slot i % 2 (with `received`, added to what
-    was loaded there), then `store(slot, epi_slice)` copies it out."""
+    slots (one with `epi_slots=1`): tile i is written to slot i % 2 (with
+    `received`, added to what was loaded there), then `store(slot,
+    epi_slice)` copies it out."""
     grid, wg_idx = self.grid, self.grid.wg_idx
     num_epi = len(grid.epi_tiles)
+    slots = grid.config.epi_slots  # 2, or 1 for a one-tile epilogue.
     for i in range(num_epi):
-      slot = i % 2
+      slot = i % slots
       if received is not None:
         received.wait(i)
         self.out_smem[wg_idx, slot] += grid.epi_part(acc, i)
       else:
-        if i >= 2:  # Slot i % 2 held tile i - 2: that store read it.
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        if i >= slots:  # Slot i % 2 held tile i - 2: that store read it.
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
         self.out_smem[wg_idx, slot] = grid.epi_part(acc, i)
       plgpu.commit_smem()
       store(self.out_smem.at[wg_idx, slot], grid.epi_slice(i))
@@ -315,6 +342,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   split_m = config.wg_dimension == "m"
   wg_idx = grid.wg_idx
+  if config.cluster_dimension is not None and num_blocks is not None:
+    raise ValueError("a cluster config runs its tiles on every block")
 
   chained = can_chain(config, grid.k_iters, delay_release)
 
@@ -328,7 +357,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
-        chained=chained, first_step=first_step)
+        chained=chained, first_step=first_step,
+        multicast=config.cluster_dimension)
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
@@ -339,7 +369,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=allocs,
-      out_smem=plgpu.SMEM((2, 2, config.epi_tile_m, config.epi_tile_n),
+      out_smem=plgpu.SMEM((2, config.epi_slots, config.epi_tile_m,
+                           config.epi_tile_n),
                           out_dtype,
                           transforms=swizzled(out_dtype, config.epi_tile_n)),
       **(scratch or {}),
@@ -348,7 +379,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
     if chained:
       chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
-    total = grid.axis_size * grid.m_iters * grid.n_iters
+    total = grid.axis_size * math.prod(grid.cluster_iters)
     loop = (plgpu.nd_loop((total,), collective_axes="cluster_grid")
             if num_blocks is None else persistent_loop(total, num_blocks))
 
@@ -395,5 +426,15 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
             allocations=pipeline_allocs)
 
       hooks.run(matmul)
+
+    if chained and config.cluster_dimension is not None:
+      # This cluster's tiles (`plgpu.nd_loop` deals them out round-robin)
+      # times k_iters: the pipeline steps the block ran.
+      clusters = lax.axis_size("cluster_grid")
+      tiles = jnp.maximum(
+          lax.div(jnp.int32(total) - lax.axis_index("cluster_grid")
+                  + clusters - 1, clusters), 0)
+      chain_drain(pipeline_allocs, wg_idx, config.max_concurrent_steps,
+                  tiles * grid.k_iters)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
