@@ -22,7 +22,9 @@ Differentiating C gives C for the primal and a tangent; `grad` transposes
 the tangent, binding C (the transposed collective) again, so every order of
 `grad`, `jvp` and `vmap` keeps the kernels. `vmap` folds the mapped
 dimension into C's operands (a leading dimension of x, or columns of w) and
-maps over it only where both operands are mapped.
+maps over it only where both operands are mapped. Under `jax.checkpoint`,
+C is split as the call of its forward, so a remat policy judges the
+forward's own operations (dots, sends, a kernel).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from jax._src import core as jex_core
 from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
+from jax.interpreters import partial_eval as pe
 import jax.numpy as jnp
 
 from collective_matmul import implementations
@@ -182,8 +185,20 @@ def _collective_matmul_batch(args, dims, *, static, return_gathered,
   return list(outs), [0] * len(outs)
 
 
+def _collective_matmul_remat(saveable, unks_in, inst_in, eqn):
+  """Under `jax.checkpoint`, the policy judges the forward's own operations
+  (its dots, its communication, a kernel), as it would the same code
+  inline: the equation is split as the call of its `impl_jaxpr`."""
+  call = eqn.replace(primitive=jex_core.closed_call_p,
+                     params={"call_jaxpr": eqn.params["impl_jaxpr"]})
+  return pe.partial_eval_jaxpr_custom_rules[jex_core.closed_call_p](
+      saveable, unks_in, inst_in, call)
+
+
 ad.primitive_jvps[collective_matmul_p] = _collective_matmul_jvp
 batching.primitive_batchers[collective_matmul_p] = _collective_matmul_batch
+pe.partial_eval_jaxpr_custom_rules[collective_matmul_p] = (
+    _collective_matmul_remat)
 
 
 def tangent(res, w, dx, dw, static: Static, *, gathered: bool, out_aval):

@@ -8,6 +8,7 @@ collective, the gathered operand used once)."""
 
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -184,3 +185,78 @@ def test_forward_mode_through_the_drop_in_dot_general(mode):
   assert decision.rewritten, decision
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5,
                              atol=2e-5)
+
+
+POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "names": jax.checkpoint_policies.save_only_these_names("h"),
+}
+
+
+def _mlp(impl):
+  """all-gather matmul, gelu, reduce-scatter matmul; the hidden activation
+  named "h" (as MaxText names its projections for remat policies)."""
+  def layer(x, wi, wo):
+    h = cm.all_gather_matmul(x, wi, "x", impl=impl)
+    h = checkpoint_name(h, "h")
+    return cm.matmul_reduce_scatter(jax.nn.gelu(h), wo, "x", impl=impl)
+  return jax.shard_map(layer, in_specs=(P("x", None), P(None, "x"),
+                                        P("x", None)), out_specs=P("x", None))
+
+
+def _reference_mlp(x, wi, wo):
+  """_mlp in plain lax."""
+  h = _op("all_gather", None)(x, wi)
+  return _op("reduce_scatter", None)(jax.nn.gelu(h), wo)
+
+
+def _count(jaxpr, name):
+  return sum(e.primitive.name == name for e in _all_eqns(jaxpr))
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_remat_policies_judge_the_forward_s_own_operations(policy, keys):
+  """Under `jax.checkpoint` the policy sees the rings' dots and sends, as it
+  would the same code inline (as it did when the ops were `custom_vjp`
+  functions): `dots_saveable` recomputes the communication in the
+  backward, not the dots. Gradients equal plain lax's."""
+  mesh = mesh_1d(D, axis_type=jax.sharding.AxisType.Auto)
+  x = normal(keys(), (16, 8), "float32")
+  wi = normal(keys(), (8, 32), "float32")
+  wo = normal(keys(), (32, 8), "float32")
+
+  def grad(impl, remat):
+    loss = lambda *a: jnp.sum(jnp.sin(_mlp(impl)(*a)))
+    if remat:
+      loss = jax.checkpoint(loss, policy=POLICIES[policy])
+    return jax.grad(loss, (0, 1, 2))
+
+  with jax.set_mesh(mesh):
+    plain = jax.make_jaxpr(grad("ring", False))(x, wi, wo).jaxpr
+    remat = jax.make_jaxpr(grad("ring", True))(x, wi, wo).jaxpr
+    got = grad("ring", True)(x, wi, wo)
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(_reference_mlp(*a))),
+                    (0, 1, 2))(x, wi, wo)
+  for g, r in zip(got, want):  # (Two rings in a row: sums in other orders.)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4,
+                               atol=1e-4)
+  extra_dots = _count(remat, "dot_general") - _count(plain, "dot_general")
+  extra_sends = _count(remat, "ppermute") - _count(plain, "ppermute")
+  # Both rings' D - 1 sends are recomputed (the all-gather's gathered
+  # activation is dw's operand; the reduce-scatter's product is sin's);
+  # their D dots each only where the policy does not save them: "h" saves
+  # the all-gather's product, so only the reduce-scatter's are recomputed.
+  assert extra_sends == 2 * (D - 1), extra_sends
+  assert extra_dots == {"nothing": 2 * D, "dots": 0, "names": D}[policy], (
+      extra_dots)
