@@ -1,6 +1,7 @@
 """The autotune cache is read like input: a damaged entry is a miss with
 one log line naming why, never a hang, an exception or a silently
 misread value; storing over a damaged file keeps the sweep's result."""
+import dataclasses
 import json
 import time
 
@@ -53,6 +54,8 @@ DAMAGED_ENTRIES = {
     "a list": ([1, 2], "not a JSON object"),
     "a string": ("128x128", "not a JSON object"),
     "reduce-scatter field": (_entry(send_pieces=2), "no field"),
+    "int choice": (_entry(cluster_dimension=3), "must be of type"),
+    "cluster in a ring": (_entry(cluster_dimension="m"), "one-device axis"),
 }
 
 
@@ -107,4 +110,21 @@ def test_a_good_entry_is_read(cache, warnings):
   cache.write_text(json.dumps({KEY: GOOD}))
   assert selection.load_cached_config(
       *SHAPE, H200.device_kind) == selection.AllGatherConfig(**GOOD)
+  assert not warnings
+
+
+def test_every_declared_field_type_has_a_reader():
+  """A config field of a type the reader does not know would raise (a
+  KeyError) instead of being a logged miss."""
+  for cls in tuned.CONFIG_CLASSES.values():
+    for field in dataclasses.fields(cls):
+      assert str(field.type) in tuned._FIELD_TYPES, (cls, field)  # pylint: disable=protected-access
+
+
+def test_an_entry_with_the_later_fields_is_read(cache, warnings):
+  entry = _entry(epi_slots=1, epi_tile_m=128, epi_tile_n=128,
+                 cluster_dimension=None)
+  cache.write_text(json.dumps({KEY: entry}))
+  assert selection.load_cached_config(
+      *SHAPE, H200.device_kind) == selection.AllGatherConfig(**entry)
   assert not warnings

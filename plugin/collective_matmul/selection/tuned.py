@@ -65,7 +65,8 @@ def key_pattern(key: str) -> Collective:
 
 
 _FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
-                "int | None": (int, type(None))}
+                "int | None": (int, type(None)),
+                "str | None": (str, type(None))}
 
 
 def config_from_fields(pattern: Collective, fields) -> TileConfig:
@@ -141,7 +142,11 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
   if key not in table:
     return None
   try:
-    return config_from_fields(pattern, table[key])
+    config = config_from_fields(pattern, table[key])
+    if config.cluster_dimension is not None and axis_size != 1:
+      raise ValueError(f"cluster_dimension={config.cluster_dimension!r} "
+                       "runs on a one-device axis only")
+    return config
   except (TypeError, ValueError) as e:
     _log_miss(path, f"entry {key!r}", e)
     return None
