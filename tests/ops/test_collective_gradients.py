@@ -112,7 +112,15 @@ def test_bf16_grads_close_to_baseline_autodiff(rng, op):
                              **kwargs)(x, w)
   actual = _loss_and_grads(fn, mesh, in_specs, out_spec, cotangent,
                            impl="ring", **kwargs)(x, w)
-  _assert_same(actual[1], expected[1], "bfloat16")
+  # Each side rounds its own partial sums to bf16: an entry that cancels to
+  # near zero is off by an ulp of the largest partial, not of its spread
+  # (JAX 0.12's CPU dot rounds differently from 0.10's). A misplaced or
+  # missing row block is still off by the entries' own size.
+  for a, e in zip(actual[1], expected[1]):
+    assert a.dtype == e.dtype
+    e = utils.exact(e)
+    utils.assert_close_to_scale(a, e, dtype="bfloat16",
+                                scale=float(np.max(np.abs(e))))
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
