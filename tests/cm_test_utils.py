@@ -41,7 +41,8 @@ def pallas_mlp(save_gathered):
 def kernel_configs(pattern):
   """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
   for CUDA, interpreted) cover: each schedule and send kind, chained at and
-  off the pipeline depth (`_OffsetChain`), and 64 x 256 warpgroup tiles.
+  off the pipeline depth (`_OffsetChain`), 64 x 256 warpgroup tiles,
+  one-slot epilogues and (on a one-device axis only) 2-block clusters.
   `pattern`: "all_gather" or "reduce_scatter"."""
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   ag, rs = kernels.AllGatherConfig, kernels.ReduceScatterConfig
@@ -62,6 +63,19 @@ def kernel_configs(pattern):
                              sender_sms=4, k_major_sends=True),
         "wide_warpgroup_tiles": ag(tile_m=64, tile_n=256, wg_dimension="m",
                                    eager_release=True, chain_tiles=True),
+        # One epilogue slot, the whole warpgroup tile (`epi_slots`).
+        "one_slot_epilogue": ag(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                                max_concurrent_steps=3, chain_tiles=True),
+        "one_slot_wide": ag(tile_m=64, tile_n=256, wg_dimension="m",
+                            epi_tile_m=64, epi_tile_n=256, epi_slots=1,
+                            max_concurrent_steps=3, chain_tiles=True),
+        # 2-block clusters sharing B by multicast (one-device axis only),
+        # in JAX's pipeline and in `_OffsetChain`.
+        "cluster_m": ag(cluster_dimension="m"),
+        "cluster_n_chained": ag(chain_tiles=True, eager_release=True,
+                                cluster_dimension="n"),
+        "cluster_m_offset_chain": ag(chain_tiles=True, max_concurrent_steps=3,
+                                     cluster_dimension="m"),
     }
   if pattern == "reduce_scatter":
     return {
@@ -72,6 +86,15 @@ def kernel_configs(pattern):
         "offset_chain": rs(epi_tile_n=128, max_concurrent_steps=3,
                            send_pieces=2, chain_tiles=True),
         "wide_warpgroup_tiles": rs(tile_m=64, tile_n=256, wg_dimension="m"),
+        "one_slot_epilogue": rs(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                                max_concurrent_steps=3, send_pieces=2),
+        "one_slot_wide_chained": rs(tile_m=64, tile_n=256, wg_dimension="m",
+                                    epi_tile_m=64, epi_tile_n=256,
+                                    epi_slots=1, max_concurrent_steps=3,
+                                    send_pieces=2, chain_tiles=True),
+        "cluster_m_chained": rs(epi_tile_n=128, max_concurrent_steps=3,
+                                send_pieces=2, chain_tiles=True,
+                                cluster_dimension="m"),
     }
   raise ValueError(f"pattern {pattern!r}")
 
