@@ -109,22 +109,33 @@ def test_the_picked_configs_lower_for_cuda(shape):
   assert _kernel_calls(_lower_reduce_scatter(2, rs, m, k, n)) == 1
 
 
+def _mesh_described_as_h200s(monkeypatch):
+  """A 2-device mesh; the ops refuse impl="pallas" where no Hopper GPU is,
+  so the devices are described as H200s (here nothing runs)."""
+  monkeypatch.setattr(selection, "device_facts",
+                      lambda mesh=None: selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
+  return _mesh(2)
+
+
+def _mlp_args(mesh, mapped=None):
+  """`pallas_mlp`'s x, wi, wo; operand `mapped` with a leading 3."""
+  shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
+  specs = [P(None, "x", None), P(None, "x"), P("x", None)]
+  return [jax.ShapeDtypeStruct((3,) + s if i == mapped else s, jnp.bfloat16,
+                               sharding=NamedSharding(
+                                   mesh, P(None, *spec) if i == mapped
+                                   else spec))
+          for i, (s, spec) in enumerate(zip(shapes, specs))]
+
+
 @pytest.mark.parametrize("save_gathered", [False, True])
 def test_a_pallas_mlp_lowers_for_cuda_forward_and_backward(save_gathered,
                                                            monkeypatch):
   """value_and_grad through both ops with impl="pallas": the forward's two
   kernels and the backward's transposed ones, lowered as one program."""
-  # The ops refuse impl="pallas" where no Hopper GPU is; here nothing runs.
-  monkeypatch.setattr(selection, "device_facts",
-                      lambda mesh=None: selection.DeviceFacts(
-                          "gpu", "NVIDIA H200", 132, 1, 8))
-  mesh = _mesh(2)
-
-  shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
-  specs = [P(None, "x", None), P(None, "x"), P("x", None)]
-  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16,
-                               sharding=NamedSharding(mesh, spec))
-          for s, spec in zip(shapes, specs)]
+  mesh = _mesh_described_as_h200s(monkeypatch)
+  args = _mlp_args(mesh)
   with jax.set_mesh(mesh):
     f = jax.shard_map(pallas_mlp(save_gathered),
                       out_specs=P(None, "x", None), check_vma=False)
@@ -145,12 +156,7 @@ def test_the_pallas_mlp_lowers_for_cuda_under_every_transformation(
   dot); vmap of value_and_grad folds the mapped dimension into the
   kernels' rows or columns (or, where both operands are mapped, maps one
   kernel), so it runs the four kernels of value_and_grad."""
-  monkeypatch.setattr(selection, "device_facts",
-                      lambda mesh=None: selection.DeviceFacts(
-                          "gpu", "NVIDIA H200", 132, 1, 8))
-  mesh = _mesh(2)
-  shapes = [(2, 1024, 512), (512, 2048), (2048, 512)]
-  specs = [P(None, "x", None), P(None, "x"), P("x", None)]
+  mesh = _mesh_described_as_h200s(monkeypatch)
   with jax.set_mesh(mesh):
     f = jax.shard_map(pallas_mlp(True), out_specs=P(None, "x", None),
                       check_vma=False)
@@ -173,11 +179,7 @@ def test_the_pallas_mlp_lowers_for_cuda_under_every_transformation(
           lambda v: loss(x, wi * (v[0] + 2 * v[1]), wo))(
               jnp.ones(2, jnp.bfloat16))
       kernels_expected = 1 + 1  # (The reduce-scatter's primal unused.)
-    shapes = [((3,) + s if i == mapped else s) for i, s in enumerate(shapes)]
-    specs = [(P(None, *s) if i == mapped else s) for i, s in enumerate(specs)]
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16,
-                                 sharding=NamedSharding(mesh, spec))
-            for s, spec in zip(shapes, specs)]
+    args = _mlp_args(mesh, mapped)
     text = jax.jit(run).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert _kernel_calls(text) == kernels_expected, _kernel_calls(text)
