@@ -56,6 +56,16 @@ def dtype_reason(dtype, out_dtype=None) -> str | None:
   return None
 
 
+def cluster_reason(config, axis_size: int) -> str | None:
+  """Why `config` cannot run on an axis of `axis_size` devices, or None:
+  2-block clusters (`TileConfig.cluster_dimension`) run on a one-device
+  axis only (the ring schedules do not pair their blocks)."""
+  if config.cluster_dimension is not None and axis_size != 1:
+    return (f"cluster_dimension={config.cluster_dimension!r} runs on a "
+            f"one-device axis only, not on {axis_size} devices")
+  return None
+
+
 # `TileConfig` fields added after configs were first stored (tuned tables,
 # autotune caches, the selection tests' decision grid), with their defaults:
 # `to_json` leaves them out at those defaults.

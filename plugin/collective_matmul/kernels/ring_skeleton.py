@@ -77,12 +77,10 @@ def check_config(config, config_class):
 
 
 def check_cluster(config, axis_size):
-  """Clusters (`TileConfig.cluster_dimension`) run on a one-device axis
-  only: the ring schedules do not pair their blocks yet."""
-  if config.cluster_dimension is not None and axis_size != 1:
-    raise ValueError(
-        f"cluster_dimension={config.cluster_dimension!r} runs on a "
-        f"one-device axis only, not on {axis_size} devices")
+  """Raises where `configs.cluster_reason` refuses `config` on this axis."""
+  reason = configs.cluster_reason(config, axis_size)
+  if reason:
+    raise ValueError(reason)
 
 
 def check_shared_memory(config, dtype, out_dtype):
@@ -253,7 +251,7 @@ class Tile:
         received.wait(i)
         self.out_smem[wg_idx, slot] += grid.epi_part(acc, i)
       else:
-        if i >= slots:  # Slot i % 2 held tile i - 2: that store read it.
+        if i >= slots:  # The slot held tile i - slots: its store read it.
           plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
         self.out_smem[wg_idx, slot] = grid.epi_part(acc, i)
       plgpu.commit_smem()

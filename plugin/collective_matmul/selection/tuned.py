@@ -28,6 +28,7 @@ from collective_matmul.enums import Collective
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.kernels.configs import cluster_reason
 
 AUTOTUNE_CACHE = "autotune cache"
 PACKAGED_TABLE = "packaged table"
@@ -143,9 +144,9 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
     return None
   try:
     config = config_from_fields(pattern, table[key])
-    if config.cluster_dimension is not None and axis_size != 1:
-      raise ValueError(f"cluster_dimension={config.cluster_dimension!r} "
-                       "runs on a one-device axis only")
+    reason = cluster_reason(config, axis_size)
+    if reason:
+      raise ValueError(reason)
     return config
   except (TypeError, ValueError) as e:
     _log_miss(path, f"entry {key!r}", e)
