@@ -89,7 +89,7 @@ def _mesh(d):
 
 
 @pytest.mark.parametrize("module,kernel,config,shapes,in_specs,out_spec", [
-    ("all_gather_matmul", "all_gather_lhs_matmul", kernels.AllGatherConfig(),
+    ("all_gather_matmul_kernel", "all_gather_lhs_matmul", kernels.AllGatherConfig(),
      [(1024, 256), (256, 1024)], [P("x", None), P(None, "x")], P(None, "x")),
     ("matmul_reduce_scatter_kernel", "matmul_reduce_scatter",
      kernels.ReduceScatterConfig(), [(1024, 512), (512, 512)],

@@ -18,7 +18,7 @@ LAYERS = [
     {"kernels.schedule"},
     {"kernels.pipeline", "kernels.tracing"},
     {"kernels.ring_skeleton"},
-    {"kernels.all_gather_matmul", "kernels.matmul_reduce_scatter_kernel"},
+    {"kernels.all_gather_matmul_kernel", "kernels.matmul_reduce_scatter_kernel"},
     {"kernels"},
     {"selection.device", "selection.tuned", "ring", "patterns", "config"},
     {"selection.applicability"},
@@ -115,6 +115,6 @@ def test_import_collective_matmul_imports_no_pallas_and_no_kernel():
   assert not [m for m in loaded if m.startswith((
       "jax.experimental.pallas", "jax._src.pallas.mosaic_gpu",
       "jax.experimental.mosaic.gpu"))]
-  assert "collective_matmul.kernels.all_gather_matmul" not in loaded
+  assert "collective_matmul.kernels.all_gather_matmul_kernel" not in loaded
   assert "collective_matmul.kernels.matmul_reduce_scatter_kernel" not in loaded
   assert "collective_matmul.selection" in loaded

@@ -3,7 +3,7 @@
 Device code only, plus the pure data it needs: `configs` (the frozen
 per-kernel config classes, the SM count and the operand dtype rule) and
 `schedule` (the ring-schedule arithmetic the kernels trace). The two
-kernels (`all_gather_matmul`, `matmul_reduce_scatter_kernel`) fill the hooks
+kernels (`all_gather_matmul_kernel`, `matmul_reduce_scatter_kernel`) fill the hooks
 of one skeleton, `ring_skeleton` (tile grid, persistent loop, epilogue
 stores, launch and checks), whose tiles each run the k loop of `pipeline`;
 `tracing` records their phases on device (`trace_warpgroups`) and
@@ -20,7 +20,7 @@ import importlib
 
 # Public name -> the submodule that defines it.
 _LAZY = {
-    "all_gather_lhs_matmul": "all_gather_matmul",
+    "all_gather_lhs_matmul": "all_gather_matmul_kernel",
     "matmul_reduce_scatter": "matmul_reduce_scatter_kernel",
     "AllGatherConfig": "configs",
     "ReduceScatterConfig": "configs",
