@@ -14,7 +14,9 @@ baseline arm is the plugin off, compiled with XLA's defaults or with the
 `--baseline_xla_option`s given (e.g. XLA's windowed einsum).
 
 Exit status: 0 when the losses match, 1 when they do not, 3 when the plugin
-rewrote nothing (the mesh has no pattern: both arms ran the same program).
+rewrote nothing (the mesh has no pattern: both arms ran the same program),
+2 when an argument or the output location is refused (before the first
+arm).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import jax
 
 import collective_matmul as cm
 from reference_host import ab as ab_lib
+from reference_host import checkpoint as checkpoint_lib
 from reference_host import config as config_lib
 
 _OUTPUT_DIR = flags.DEFINE_string(
@@ -74,6 +77,11 @@ def main(argv: list[str]) -> int:
             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or "
             "launch under a cluster JAX detects, e.g. SLURM)", file=sys.stderr)
       return 2
+  try:
+    ab_lib.check_relative_tolerance(_TOLERANCE.value)
+  except ValueError as e:
+    print(f"--relative_loss_tolerance: {e}", file=sys.stderr)
+    return 2
   if len(argv) < 2:
     print("usage: ab_compare.py <base.yml> [key=value ...] [--flags]",
           file=sys.stderr)
@@ -97,6 +105,16 @@ def main(argv: list[str]) -> int:
   except ValueError as e:
     print(f"--baseline_xla_option: {e}", file=sys.stderr)
     return 2
+  if jax.process_index() == 0:
+    # Before the first arm: where the report goes is a writable directory.
+    try:
+      checkpoint_lib.check_writable_directory(
+          _OUTPUT_DIR.value or os.path.join(config.base_output_directory,
+                                            "ab"),
+          "--output_dir" if _OUTPUT_DIR.value else "report directory")
+    except checkpoint_lib.StorageError as e:
+      print(f"storage error: {e}", file=sys.stderr)
+      return 2
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
   profile_dir = (tempfile.mkdtemp(prefix="profile-", dir=_mkdirs(
       os.path.join(config.base_output_directory, "ab")))
@@ -142,9 +160,11 @@ def _move_traces(result, profile_dir: str, traces_dir: str) -> None:
 
 
 def _fresh_dir(path: str) -> str:
-  """`path`, or `path-2`, `path-3`, ... if it already holds a report."""
+  """`path`, or `path-2`, `path-3`, ... if it already holds a report (or
+  is not a directory)."""
   candidate, n = path, 1
-  while os.path.exists(os.path.join(candidate, "report.md")):
+  while (os.path.exists(os.path.join(candidate, "report.md"))
+         or os.path.lexists(candidate) and not os.path.isdir(candidate)):
     n += 1
     candidate = f"{path}-{n}"
   return candidate

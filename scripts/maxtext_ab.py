@@ -51,19 +51,26 @@ ARMS = {
 WARMUP_STEPS = 2  # Compile and first-touch: not in the median.
 PROFILE_AFTER = WARMUP_STEPS + 1  # With --profile_steps: the first profiled.
 LOSS_RTOL = {"bfloat16": 2e-2, "float32": 1e-4}
+_ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def parse_arm(spec: str) -> tuple[str, tuple[str, ...], str]:
   """A named arm, or NAME=ARGS: ARGS' `--xla_*` flags go to XLA_FLAGS, its
   other `--` flags to the launcher (plugin flags) and its key=value
   arguments to MaxText, e.g.
-  `auto_noscan=--use_collective_matmul scan_layers=False`."""
+  `auto_noscan=--use_collective_matmul scan_layers=False`. NAME names the
+  arm's files and MaxText run: letters, digits, '_', '.' and '-'."""
+  if not spec.split():
+    raise ValueError(f"an empty arm: one of {sorted(ARMS)} or NAME=ARGS")
   if "=" not in spec.split()[0] or spec.split("=", 1)[0] in ARMS:
     if spec not in ARMS:
       raise ValueError(f"unknown arm {spec!r}: one of {sorted(ARMS)} or "
                        "NAME=ARGS")
     return spec, *ARMS[spec]
   name, args = spec.split("=", 1)
+  if not _ARM_NAME.fullmatch(name):
+    raise ValueError(f"arm {spec!r}: NAME before '=' must be letters, "
+                     "digits, '_', '.' or '-'")
   args = args.split()
   xla = " ".join(a for a in args if a.startswith("--xla_"))
   return name, tuple(a for a in args if not a.startswith("--xla_")), xla
@@ -171,6 +178,12 @@ def _profile_lib():
   _reference_host()
   from reference_host import profile  # pylint: disable=g-import-not-at-top
   return profile
+
+
+def _checkpoint_lib():
+  _reference_host()
+  from reference_host import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint
 
 
 def _ab_lib():
@@ -477,9 +490,16 @@ def main() -> int:
     parser.error(f"--profile_steps={args.profile_steps} must be >= 0")
   if args.rounds < 1:
     parser.error(f"--rounds={args.rounds} must be >= 1")
+  if args.timeout <= 0:
+    parser.error(f"--timeout={args.timeout} must be > 0 (seconds per arm)")
   if not maxtext_args or not maxtext_args[0].endswith(".yml"):
     parser.error("give MaxText's base.yml and key=value arguments after --")
-  os.makedirs(args.out, exist_ok=True)
+  # Before the first arm: the results' directory is writable.
+  checkpoint = _checkpoint_lib()
+  try:
+    checkpoint.check_writable_directory(args.out, "--out directory")
+  except checkpoint.StorageError as e:
+    parser.error(str(e))
   dtype = next((a.split("=", 1)[1] for a in maxtext_args
                 if a.startswith("dtype=")), "bfloat16")
   runs = {name: [] for name in names}

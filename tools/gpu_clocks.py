@@ -96,8 +96,15 @@ def tensor_share(flops: float, time_us: float, sm_mhz: float,
 
 
 if __name__ == "__main__":
-  text = subprocess.run(
-      ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}",
-       "--format=csv,noheader,nounits"], capture_output=True, text=True,
-      check=False).stdout
+  import argparse  # pylint: disable=g-import-not-at-top
+  argparse.ArgumentParser(
+      description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+  try:
+    text = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}",
+         "--format=csv,noheader,nounits"], capture_output=True, text=True,
+        check=False).stdout
+  except OSError as e:
+    raise SystemExit(f"cannot run nvidia-smi: {e.strerror or e}") from None
   print(parse(text.splitlines()))

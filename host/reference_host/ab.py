@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 from typing import Callable
@@ -110,6 +111,16 @@ class ABResult:
                    if d.rewritten})
 
 
+def check_relative_tolerance(tolerance: float | None) -> None:
+  """Raises ValueError unless `tolerance` (a largest relative loss
+  difference; None for the dtype's default) is finite and >= 0: a negative
+  one fails equal losses and a NaN fails every comparison."""
+  if tolerance is not None and not (math.isfinite(tolerance)
+                                    and tolerance >= 0):
+    raise ValueError(f"relative loss tolerance {tolerance} is not a finite "
+                     "number >= 0")
+
+
 def run_ab(config: config_lib.Config,
            collective_config: cm.CollectiveMatmulConfig,
            num_steps: int | None = None, *, devices=None,
@@ -126,6 +137,7 @@ def run_ab(config: config_lib.Config,
   `baseline_compiler_options` compiles the baseline arm with these XLA
   options, e.g. `trainer.WINDOWED_EINSUM` for XLA's own overlap.
   """
+  check_relative_tolerance(relative_tolerance)
   collective_config = dataclasses.replace(collective_config, enabled=True)
   baseline_config = dataclasses.replace(collective_config, enabled=False)
   baseline = trainer_lib.Trainer(config, baseline_config, devices=devices,

@@ -58,3 +58,20 @@ def test_an_unknown_baseline_xla_option_fails_at_compile_naming_it(rng):
   with pytest.raises(Exception, match="xla_no_such_option"):
     ab_lib.run_ab(config, cm.CollectiveMatmulConfig(impl="ring"), log=None,
                   baseline_compiler_options={"xla_no_such_option": 1})
+
+
+@pytest.mark.parametrize("tolerance", [-1.0, -1e-12, float("nan"),
+                                       float("inf"), float("-inf")])
+def test_a_negative_or_non_finite_loss_tolerance_is_refused_before_training(
+    tolerance, monkeypatch):
+  # A negative tolerance failed bit-equal losses, a NaN every comparison.
+  config = config_lib.load_config([BASE_CONFIG, *TEST_MODEL_ARGS, "steps=1"])
+  monkeypatch.setattr(trainer_lib, "Trainer", None)  # Nothing may train.
+  with pytest.raises(ValueError, match="not a finite number >= 0"):
+    ab_lib.run_ab(config, cm.CollectiveMatmulConfig(impl="ring"), log=None,
+                  relative_tolerance=tolerance)
+
+
+def test_zero_and_positive_loss_tolerances_are_accepted(rng):
+  for tolerance in (None, 0.0, *rng.uniform(0, 10, size=4)):
+    ab_lib.check_relative_tolerance(tolerance)

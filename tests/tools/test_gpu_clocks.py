@@ -2,11 +2,16 @@
 from nvidia-smi's CSV (a fake nvidia-smi here: no GPU on CI)."""
 import os
 import stat
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
 
 from cm_test_utils import import_script
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def _clocks():
@@ -66,3 +71,28 @@ def test_sustained_runs_the_kernel_while_sampling(tmp_path, monkeypatch):
 def test_sustained_without_nvidia_smi_reports_nothing(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path))  # No nvidia-smi on it.
   assert _clocks().sustained(lambda: jnp.ones(2), 0.05) == {}
+
+
+def _run_tool(*args):
+  return subprocess.run([sys.executable, os.path.join(
+      REPO_ROOT, "tools", "gpu_clocks.py"), *args], capture_output=True,
+                        text=True, timeout=60, cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_is_printed_without_running_nvidia_smi(tmp_path, monkeypatch,
+                                                    flag):
+  called = tmp_path / "called"
+  _fake_smi(tmp_path, monkeypatch, f"touch {called}\n")
+  run = _run_tool(flag)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "usage" in run.stdout.lower() and "sustained" in run.stdout
+  assert not called.exists()
+
+
+def test_without_nvidia_smi_it_says_so_in_one_line(tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path))  # No nvidia-smi on it.
+  run = _run_tool()
+  assert run.returncode == 1
+  assert run.stderr.strip().splitlines() == [
+      "cannot run nvidia-smi: No such file or directory"]
