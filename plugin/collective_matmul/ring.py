@@ -18,9 +18,27 @@ like `psum_scatter(x @ w, scatter_dimension=scatter_axis, tiled=True)`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  """How the portable ring runs (what a `selection.KernelPlan` carries for
+  `ring`).
+
+  bidirectional: on an axis of more than two devices, send half of each
+  block each way round, halving the sequential steps.
+  """
+
+  bidirectional: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.bidirectional, bool):
+      raise TypeError(f"{self.bidirectional=} must be True or False")
 
 
 def local_matmul(x, w, *, precision=None, preferred_element_type=None):

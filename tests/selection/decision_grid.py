@@ -79,9 +79,10 @@ def new_rows(selected_cases=None):
         device, selection.Options(case["fallback"], case["rs_kernel"]))
     row = [str(plan.impl), str(plan.backward_impl), plan.reason,
            str(plan.is_fallback)]
-    if plan.config is not None:
+    # The kernels' configs (a ring's own config is not in the table).
+    if plan.impl == "pallas":
       row += [config_text(plan.config), plan.source]
-    if plan.backward_config is not None:
+    if plan.backward_impl == "pallas":
       row += [config_text(plan.backward_config), plan.backward_source]
     out[key(case)] = "|".join(row)
   return out

@@ -16,6 +16,7 @@ import numpy as np
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.ring import RingConfig
 from collective_matmul.selection import applicability
 from collective_matmul.selection import heuristics
 from collective_matmul.selection import tuned
@@ -55,10 +56,17 @@ class Options:
 
   fallback_impl: where the kernel is unavailable off Hopper.
   reduce_scatter_kernel: whether the matmul-reduce-scatter kernel may run.
+  bidirectional: the ring's direction (`RingConfig`), wherever it runs.
   """
 
   fallback_impl: Impl = Impl.RING
   reduce_scatter_kernel: bool = True
+  bidirectional: bool = True
+
+  def config(self, impl: Impl) -> RingConfig | None:
+    """The config of a portable `impl` (ring or baseline) under these
+    options."""
+    return RingConfig(self.bidirectional) if impl == Impl.RING else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,37 +74,40 @@ class KernelPlan:
   """What runs for one collective matmul and its backward (hashable: the
   ops carry it as a static argument).
 
-  impl, config, source: the forward's implementation, and for `pallas` its
-  kernel config and where that came from ("caller", "autotune cache",
-  "packaged table" or "heuristic"). backward_impl, backward_config,
-  backward_source: the same for the backward's collective matmul (dx: the
-  other collective). reason: why not the Hopper kernel ("" when it runs, or
-  was not asked for). is_fallback: an explicit `pallas` could not be served.
+  impl, config, source: the forward's implementation and its config (for
+  `pallas` a `TileConfig` and where it came from: "caller", "autotune
+  cache", "packaged table" or "heuristic"; for `ring` a `RingConfig`, the
+  default one when None is given; for `baseline` none). backward_impl,
+  backward_config, backward_source: the same for the backward's collective
+  matmul (dx: the other collective). reason: why not the Hopper kernel (""
+  when it runs, or was not asked for). is_fallback: an explicit `pallas`
+  could not be served.
   """
 
   impl: Impl
   backward_impl: Impl
-  config: TileConfig | None = None
+  config: TileConfig | RingConfig | None = None
   source: str = ""
-  backward_config: TileConfig | None = None
+  backward_config: TileConfig | RingConfig | None = None
   backward_source: str = ""
   reason: str = ""
   is_fallback: bool = False
 
   def __post_init__(self):
-    object.__setattr__(self, "impl", Impl.parse(self.impl, "impl"))
-    object.__setattr__(self, "backward_impl",
-                       Impl.parse(self.backward_impl, "backward_impl"))
-    for impl, config in ((self.impl, self.config),
-                         (self.backward_impl, self.backward_config)):
-      if (impl == Impl.PALLAS) != (config is not None):
-        raise ValueError(f"a plan runs a kernel config exactly when its "
-                         f"impl is pallas: {impl} with {config}")
-
-  @staticmethod
-  def portable(impl: Impl) -> KernelPlan:
-    """`impl` (ring or baseline) forward and backward."""
-    return KernelPlan(impl, impl)
+    for impl_field, config_field in (("impl", "config"),
+                                     ("backward_impl", "backward_config")):
+      impl = Impl.parse(getattr(self, impl_field), impl_field, _CONFIGS)
+      config = getattr(self, config_field)
+      if impl == Impl.RING and config is None:
+        config = RingConfig()
+      expected = _CONFIGS[impl]
+      if not isinstance(config, expected):
+        what = ("no config" if expected is type(None)
+                else f"a {expected.__name__}")
+        raise ValueError(f"a {impl} plan runs {what}: {impl_field}={impl} "
+                         f"with {config_field}={config!r}")
+      object.__setattr__(self, impl_field, impl)
+      object.__setattr__(self, config_field, config)
 
   def transposed(self) -> KernelPlan:
     """The plan of the backward's collective matmul: this plan's backward
@@ -107,13 +118,21 @@ class KernelPlan:
         backward_config=self.config, backward_source=self.source)
 
   def describe(self, backward: bool = False) -> str:
-    """'pallas 128x256x64 s4 (packaged table)', or the impl's name."""
+    """'pallas 128x256x64 s4 (packaged table)', 'ring', 'ring one-way' or
+    'baseline': the implementation with what its config changes."""
     impl, config, source = ((self.backward_impl, self.backward_config,
                              self.backward_source) if backward
                             else (self.impl, self.config, self.source))
-    if config is None:
-      return str(impl)
-    return f"{impl} {config_label(config)} ({source})"
+    if isinstance(config, TileConfig):
+      return f"{impl} {config_label(config)} ({source})"
+    if isinstance(config, RingConfig) and not config.bidirectional:
+      return f"{impl} one-way"
+    return str(impl)
+
+
+# Each implementation's config type (baseline: none).
+_CONFIGS = {Impl.PALLAS: TileConfig, Impl.RING: RingConfig,
+            Impl.BASELINE: type(None)}
 
 
 def config_label(config: TileConfig) -> str:
@@ -227,15 +246,19 @@ def choose(requested: Impl | str, collective: Collective | str,
   requested = Impl.parse(requested, "impl")
   collective = Collective.parse(collective, "collective")
   if requested in (Impl.RING, Impl.BASELINE):
-    return KernelPlan.portable(requested)
+    return KernelPlan(requested, requested, options.config(requested),
+                      backward_config=options.config(requested))
   verdict, config, source = _kernel(collective, problem, device, options,
                                     config)
   if verdict is not None and (requested == Impl.AUTO or verdict.hard):
-    return KernelPlan(verdict.impl, verdict.impl, reason=verdict.reason,
+    return KernelPlan(verdict.impl, verdict.impl, options.config(verdict.impl),
+                      backward_config=options.config(verdict.impl),
+                      reason=verdict.reason,
                       is_fallback=requested == Impl.PALLAS and verdict.hard)
   back, back_config, back_source = _kernel(
       collective.transpose, problem.backward(), device, options, None)
   if back is not None and (requested == Impl.AUTO or back.hard):
-    return KernelPlan(Impl.PALLAS, back.impl, config, source)
+    return KernelPlan(Impl.PALLAS, back.impl, config, source,
+                      options.config(back.impl))
   return KernelPlan(Impl.PALLAS, Impl.PALLAS, config, source, back_config,
                     back_source)
