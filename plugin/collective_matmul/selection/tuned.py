@@ -12,10 +12,12 @@ the next autotune result is stored.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import importlib.resources
 import json
 import os
+import tempfile
 import time
 import types
 from typing import Mapping
@@ -153,6 +155,26 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
     return None
 
 
+def _table_to_update(path: str) -> dict:
+  """The cache's table, to add an entry to: {} when there is no file, or
+  when it cannot be read (then set aside as `<path>.damaged-<time>`,
+  logged)."""
+  if not os.path.exists(path):
+    return {}
+  try:
+    table = _read_json(path)
+    if not isinstance(table, dict):
+      raise ValueError("it is not a JSON object")
+    return table
+  except ValueError as e:
+    aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.replace(path, aside)
+    logging.warning("collective matmul: the autotune cache %s was not "
+                    "readable (%s); moved to %s, writing a new one", path, e,
+                    aside)
+    return {}
+
+
 def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
                         n, dtype, axis_size, device_kind: str, *,
                         pattern=None) -> str:
@@ -161,6 +183,8 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
 
   A cache file that cannot be read is set aside (`<path>.damaged-<time>`,
   logged) and a new one written, so a sweep's result is never lost to it.
+  Processes storing at the same time take turns (a lock on `<path>.lock`),
+  so none loses another's entry.
   """
   own = next(p for p, cls in CONFIG_CLASSES.items()
              if type(config) is cls)  # pylint: disable=unidiomatic-typecheck
@@ -168,25 +192,28 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
     raise ValueError(f"a {type(config).__name__} is the {own.value!r} "
                      f"kernel's config, not the {pattern!r} kernel's")
   path = cache_path()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  table = {}
-  if os.path.exists(path):
+  folder = os.path.dirname(path) or "."
+  os.makedirs(folder, exist_ok=True)
+  # Read, merge and replace under an exclusive lock on a sidecar file, so a
+  # writer never replaces the table with one read before another writer's
+  # store; each writer's temporary file is its own, in the same folder (an
+  # atomic rename needs one file system).
+  with open(path + ".lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    table = _table_to_update(path)
+    table[cache_key(m, k, n, dtype, axis_size, device_kind,
+                    own)] = config.to_json()
+    fd, temp = tempfile.mkstemp(dir=folder,
+                                prefix=os.path.basename(path) + ".",
+                                suffix=".tmp")
     try:
-      table = _read_json(path)
-      if not isinstance(table, dict):
-        raise ValueError("it is not a JSON object")
-    except ValueError as e:
-      aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-      os.replace(path, aside)
-      logging.warning("collective matmul: the autotune cache %s was not "
-                      "readable (%s); moved to %s, writing a new one", path,
-                      e, aside)
-      table = {}
-  table[cache_key(m, k, n, dtype, axis_size, device_kind,
-                  own)] = config.to_json()
-  with open(path + ".tmp", "w") as f:
-    json.dump(table, f, indent=1, sort_keys=True)
-  os.replace(path + ".tmp", path)
+      os.fchmod(fd, 0o644)  # mkstemp's 0o600 would hide it from others.
+      with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+      os.replace(temp, path)
+    except BaseException:
+      os.unlink(temp)
+      raise
   return path
 
 
