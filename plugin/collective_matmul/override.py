@@ -30,6 +30,41 @@ from collective_matmul.enums import Collective
 
 SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
                                          jnp.float16, jnp.float64)))
+# fp8 operands, in any pair (Flax's fp8 matmuls: e4m3 x e4m3 forward, the
+# e5m2 gradient times an e4m3 operand backward), with a wider result.
+FP8_DTYPES = tuple(map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)))
+_SHORT_DTYPE_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2",
+                      "bfloat16": "bf16", "float16": "f16",
+                      "float32": "f32", "float64": "f64"}
+
+
+def dtype_label(lhs_dtype, rhs_dtype, preferred_element_type=None) -> str:
+  """The operand dtypes as the decision record names them: the one dtype
+  (`bfloat16`), or for fp8 operands both and the result's
+  (`e4m3 x e4m3 -> bf16`)."""
+  lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+  if lhs_dtype not in FP8_DTYPES and rhs_dtype not in FP8_DTYPES:
+    return str(lhs_dtype)
+  short = lambda d: _SHORT_DTYPE_NAMES.get(jnp.dtype(d).name,
+                                           jnp.dtype(d).name)
+  out = ("" if preferred_element_type is None
+         else f" -> {short(preferred_element_type)}")
+  return f"{short(lhs_dtype)} x {short(rhs_dtype)}{out}"
+
+
+def _dtype_reason(lhs_dtype, rhs_dtype, preferred_element_type
+                  ) -> str | None:
+  """Why the collective matmuls cannot take these operands, or None."""
+  if lhs_dtype in FP8_DTYPES and rhs_dtype in FP8_DTYPES:
+    if preferred_element_type is None:
+      return ("fp8 operands without preferred_element_type (an fp8 "
+              "result)")
+    return None
+  if rhs_dtype != lhs_dtype:
+    return f"operand dtypes differ: lhs {lhs_dtype}, rhs {rhs_dtype}"
+  if lhs_dtype not in SUPPORTED_DTYPES:
+    return f"unsupported dtype {lhs_dtype}"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +441,8 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   dtype = jnp.result_type(lhs)
   decide = functools.partial(
       Decision, name=name, lhs_shape=lhs_shape, rhs_shape=rhs_shape,
-      dtype=str(dtype), mode=mode, group_reason=group_reason)
+      dtype=dtype_label(dtype, jnp.result_type(rhs), preferred_element_type),
+      mode=mode, group_reason=group_reason)
 
   def left_to_xla(reason, fallback):
     return CallPlan(decide(rewritten=False, impl=None, reason=reason),
@@ -477,11 +513,9 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
              if isinstance(match, patterns.ReduceScatterMatch)
              else Collective.ALL_GATHER)
   (lhs_contract, rhs_contract), _ = dimension_numbers
-  if jnp.result_type(rhs) != dtype:
-    return left_to_xla(f"operand dtypes differ: lhs {dtype}, rhs "
-                       f"{jnp.result_type(rhs)}", fallback=True)
-  if dtype not in SUPPORTED_DTYPES:
-    return left_to_xla(f"unsupported dtype {dtype}", fallback=True)
+  reason = _dtype_reason(dtype, jnp.result_type(rhs), preferred_element_type)
+  if reason is not None:
+    return left_to_xla(reason, fallback=True)
   lhs_k = tuple(lhs_shape[d] for d in lhs_contract)
   rhs_k = tuple(rhs_shape[d] for d in rhs_contract)
   if lhs_k != rhs_k:
