@@ -56,6 +56,14 @@ DAMAGED_ENTRIES = {
     "reduce-scatter field": (_entry(send_pieces=2), "no field"),
     "int choice": (_entry(cluster_dimension=3), "must be of type"),
     "cluster in a ring": (_entry(cluster_dimension="m"), "one-device axis"),
+    "huge send gap": (_entry(send_gap=10**12), "more than"),
+    "huge sender count": (_entry(sender_sms=10**6), "more than"),
+    "huge tile": (_entry(tile_n=10**9), "more than"),
+    "huge epilogue tile": (_entry(epi_tile_n=2**40), "more than"),
+    "huge grid width": (_entry(grid_tile_width=10**9), "more than"),
+    "huge announce lag": (_entry(sender_sms=4, sender_announce_lag=10**9),
+                          "more than"),
+    "sender count of a GPU": (_entry(sender_sms=132), "more than"),
 }
 
 
@@ -97,6 +105,37 @@ def test_a_damaged_file_is_a_logged_miss_and_stored_over(cache, warnings,
   assert len(aside) == 1 and aside[0].read_bytes() == (
       content if isinstance(content, bytes) else content.encode())
   assert any("moved to" in line for line in warnings)
+
+
+def test_every_integer_field_is_bounded():
+  """A stored integer field without an upper bound would let residue such
+  as `send_gap: 10**12` into a kernel config."""
+  for cls in tuned.CONFIG_CLASSES.values():
+    for field in dataclasses.fields(cls):
+      if int in tuned._FIELD_TYPES[str(field.type)]:  # pylint: disable=protected-access
+        assert field.name in tuned.FIELD_LIMITS, (cls, field.name)
+
+
+def test_an_entry_at_the_bounds_is_read(cache, warnings):
+  """The bounds refuse residue, not configs."""
+  entry = _entry(send_gap=tuned.FIELD_LIMITS["send_gap"],
+                 grid_tile_width=tuned.FIELD_LIMITS["grid_tile_width"])
+  cache.write_text(json.dumps({KEY: entry}))
+  assert selection.load_cached_config(
+      *SHAPE, H200.device_kind) == selection.AllGatherConfig(**entry)
+  assert not warnings
+
+
+def test_an_entry_too_large_for_shared_memory_is_a_logged_miss(
+    cache, warnings, rng):
+  side = 64 * int(rng.integers(8, 16))
+  entry = _entry(tile_m=side, tile_n=side, max_concurrent_steps=2)
+  cache.write_text(json.dumps({KEY: entry}))
+  config, source = selection.config_for(
+      Collective.ALL_GATHER, selection.Problem(*SHAPE), H200)
+  assert source != selection.AUTOTUNE_CACHE and config is not None
+  assert len(warnings) == 1 and "shared memory" in warnings[0], warnings
+  assert KEY in warnings[0]
 
 
 def test_each_miss_is_logged_once(cache, warnings):

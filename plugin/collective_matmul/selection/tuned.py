@@ -28,7 +28,9 @@ import numpy as np
 
 from collective_matmul.enums import Collective
 from collective_matmul.kernels.configs import AllGatherConfig
+from collective_matmul.kernels.configs import DEFAULT_SM_COUNT
 from collective_matmul.kernels.configs import ReduceScatterConfig
+from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
 from collective_matmul.kernels.configs import cluster_reason
 
@@ -39,9 +41,22 @@ PACKAGED_TABLE = "packaged table"
 CACHE_PATTERNS = tuple(c.value for c in Collective)
 CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
                   Collective.REDUCE_SCATTER: ReduceScatterConfig}
-# Pipeline stages beyond this never fit shared memory; a larger value in a
-# file is damage, not a config.
-MAX_STAGES = 64
+# The largest value of each integer field a stored config may hold, past
+# which no config is a real one: a tile side of which two pipeline stages of
+# the smallest k step (32) do not fit shared memory even with 1-byte
+# operands; more pipeline stages than ever fit; a sender block on every SM
+# of an H100/H200; a pacing or grid width of more steps or tiles than any
+# shard has. A larger value in a file is damage, and a miss.
+_MAX_TILE_SIDE = SMEM_BYTES // (2 * 32)
+_MAX_STEPS = 1 << 16
+FIELD_LIMITS = {
+    "tile_m": _MAX_TILE_SIDE, "tile_n": _MAX_TILE_SIDE,
+    "epi_tile_m": _MAX_TILE_SIDE, "epi_tile_n": _MAX_TILE_SIDE,
+    "tile_k": 128, "max_concurrent_steps": 64, "epi_slots": 2,
+    "grid_tile_width": _MAX_STEPS, "send_gap": _MAX_STEPS,
+    "sender_sms": DEFAULT_SM_COUNT - 1, "sender_announce_lag": _MAX_STEPS,
+    "send_pieces": _MAX_TILE_SIDE // 8,
+}
 
 
 def cache_path() -> str:
@@ -74,7 +89,8 @@ _FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
 
 def config_from_fields(pattern: Collective, fields) -> TileConfig:
   """`pattern`'s config class built from an entry's fields (a JSON object),
-  each of its declared type (a bool is no int, 128.0 no int, "no" no bool).
+  each of its declared type (a bool is no int, 128.0 no int, "no" no bool)
+  and, if an integer, at most its `FIELD_LIMITS`.
 
   Raises:
     TypeError, ValueError: naming the field, when they do not build one.
@@ -90,9 +106,9 @@ def config_from_fields(pattern: Collective, fields) -> TileConfig:
     if not isinstance(value, allowed) or (
         isinstance(value, bool) and bool not in allowed):
       raise TypeError(f"{name}={value!r} must be of type {declared[name]}")
-  if fields.get("max_concurrent_steps", 2) > MAX_STAGES:
-    raise ValueError(f"max_concurrent_steps={fields['max_concurrent_steps']}"
-                     f" is more than {MAX_STAGES}")
+    limit = FIELD_LIMITS.get(name)
+    if isinstance(value, int) and limit is not None and value > limit:
+      raise ValueError(f"{name}={value} is more than {limit}")
   return cls(**fields)
 
 
@@ -279,8 +295,14 @@ def measured_config(collective: Collective, m, k, n, dtype, axis_size,
   for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
                          (PACKAGED_TABLE, packaged_config)):
     found = lookup(m, k, n, dtype, axis_size, device_kind, pattern=collective)
-    fitted = None if found is None else fit(found, dtype, out_dtype)
+    if found is None:
+      continue
+    fitted = fit(found, dtype, out_dtype)
     if fitted is not None:
       return fitted, source
+    key = cache_key(m, k, n, dtype, axis_size, device_kind, collective)
+    _log_miss(source, f"entry {key!r}",
+              "it needs more shared memory than a block has, with "
+              f"{np.dtype(dtype).name} operands")
   return None
 
