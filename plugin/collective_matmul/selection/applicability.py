@@ -12,6 +12,8 @@ import os
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 from collective_matmul.kernels import configs
 from collective_matmul.kernels.schedule import padding
 from collective_matmul.selection.device import DeviceFacts
@@ -27,13 +29,26 @@ def unsupported_reason(device: DeviceFacts, dtype, m: int, k: int, n: int,
     return f"backend is {device.platform!r}, the kernel needs a CUDA GPU"
   if not device.is_hopper:
     return f"device {device.device_kind!r} is not a Hopper (sm_90a) GPU"
-  reason = configs.dtype_reason(dtype, out_dtype)
+  reason = (fp8_dispatch_reason(dtype)
+            or configs.dtype_reason(dtype, out_dtype))
   if reason is not None:
     return reason
   if min(m, k, n) <= 0:
     return f"empty problem m={m} k={k} n={n}"
   if axis_size < 1:
     return f"axis size {axis_size}"
+  return None
+
+
+def fp8_dispatch_reason(dtype) -> str | None:
+  """Why the kernels do not serve fp8 operands of `dtype`, or None: the
+  portable ring and the baseline serve fp8 products; the kernels' fp8 cores
+  are not yet taken by the dispatch, so `auto` takes the fallback and an
+  explicit `pallas` is one."""
+  name = np.dtype(dtype).name
+  if name.startswith("float8"):
+    return (f"fp8 operands ({name}): the kernels' fp8 cores are not "
+            "dispatched yet (ring and baseline serve fp8)")
   return None
 
 
