@@ -6,7 +6,8 @@
 
   python scripts/autotune.py --plan 2 --shapes 1024/4096/4096  # no GPU
 
-Uses all local GPUs as one ring (mesh axis "x"). The cache path is
+Uses all local GPUs as one ring (mesh axis "x"); without Hopper GPUs it
+says so and exits 1. The cache path is
 $COLLECTIVE_MATMUL_TUNING_CACHE or ~/.cache/collective_matmul/tuning.json.
 With --plan D nothing runs on a GPU: every candidate the sweep would time
 at D devices, and the ring it checks them against, is traced on emulated
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.join(script_setup.REPO_ROOT, "tools"))
 import jax  # pylint: disable=g-bad-import-order
 
 from collective_matmul import autotuning
+from collective_matmul import selection
 import bench_plan  # pylint: disable=g-bad-import-order
 
 
@@ -96,10 +98,17 @@ def main():
       parse_shape(text)
   except ValueError as e:
     parser.error(str(e))
+  for flag in ("iterations", "finalists", "rounds"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
   if args.plan is not None:
     if args.plan < 1:
       parser.error(f"--plan {args.plan}: the devices must be >= 1")
     sys.exit(1 if bench_plan.check_plan(plan_calls(args, args.plan)) else 0)
+  device = selection.device_facts()
+  if device.platform not in ("gpu", "cuda") or not device.is_hopper:
+    sys.exit(f"autotune.py: the sweep needs Hopper GPUs (found "
+             f"{device.device_kind!r}); `--plan D` shows the sweep")
   dtype = bench_plan.DTYPES[args.dtype]
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
