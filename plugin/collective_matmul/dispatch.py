@@ -93,7 +93,7 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
 def contract_leading(a, b, precision):
   """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
   wider: `[p, q]`."""
-  dtype = jnp.promote_types(a.dtype, b.dtype)
+  dtype = _wider(a.dtype, b.dtype)
   lead = tuple(range(a.ndim - 1))
   return lax.dot_general(
       a.astype(dtype), b.astype(dtype), ((lead, lead), ((), ())),
@@ -142,5 +142,17 @@ def matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, config,
 def times_weight_transposed(dy, w):
   """`dy` and `w.T` in one dtype, the wider of the two (an f32 cotangent is
   not rounded to bf16 to meet a bf16 weight)."""
-  dtype = jnp.promote_types(dy.dtype, w.dtype)
+  dtype = _wider(dy.dtype, w.dtype)
   return dy.astype(dtype), w.T.astype(dtype)
+
+
+def _wider(a, b):
+  """The wider of two dtypes. JAX promotes no 8-bit float implicitly: one
+  meets another dtype as that dtype (exactly: every fp8 value is a bf16
+  value), and another 8-bit float as float32."""
+  a, b = jnp.dtype(a), jnp.dtype(b)
+  if a.itemsize == 1 and jnp.issubdtype(a, jnp.floating):
+    a = jnp.dtype(jnp.float32) if b.itemsize == 1 else b
+  if b.itemsize == 1 and jnp.issubdtype(b, jnp.floating):
+    b = a
+  return jnp.promote_types(a, b)

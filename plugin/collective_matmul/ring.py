@@ -141,10 +141,13 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
 def accumulation_dtype(out_dtype):
   """The dtype partial sums travel in: at least float32 for floating types,
   so that D - 1 additions of low-precision partial products do not each
-  round to bf16; the product's own dtype for integers (exact, and wrapping
-  on overflow as `lax.dot_general` does)."""
+  round to bf16 (or fp8, as an fp8 GEMM accumulates in f32 too); the
+  product's own dtype for integers (exact, and wrapping on overflow as
+  `lax.dot_general` does)."""
   if not jnp.issubdtype(out_dtype, jnp.inexact):
     return jnp.dtype(out_dtype)
+  if jnp.dtype(out_dtype).itemsize == 1:  # fp8: no implicit promotion.
+    return jnp.dtype(jnp.float32)
   return jnp.promote_types(out_dtype, jnp.float32)
 
 
