@@ -16,6 +16,7 @@ MaxText logs its whole config first; `log_config=False` skips that.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -29,6 +30,7 @@ import collective_matmul as cm
 from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
 from collective_matmul.integrations.maxtext import attention
+from collective_matmul.integrations.maxtext import config_errors
 from collective_matmul.integrations.maxtext import launcher
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -106,8 +108,16 @@ def main(argv: Sequence[str]) -> None:
     print(launcher.CONFIG_DUMP_POINTER, flush=True)
   print_decisions_after_compiles()
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
+  # MaxText's config errors in one line; --verbosity keeps its traceback.
+  verbose = flags.FLAGS["verbosity"].present
   try:
-    train.main(list(argv))
+    with (contextlib.nullcontext() if verbose else
+          config_errors.in_one_line(argv)):
+      train.main(list(argv))
+  except config_errors.MaxTextConfigError as e:
+    print(f"{_PROGRAM}: MaxText config error: {e} (--verbosity=0 shows "
+          "MaxText's traceback)", file=sys.stderr)
+    sys.exit(2)
   except cm.StrictFallbackError as e:
     print(f"{_PROGRAM}: {str(e).splitlines()[0]} (--collective_matmul_strict "
           "refuses a fallback; without it the projection falls back as "
