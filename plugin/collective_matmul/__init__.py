@@ -27,13 +27,13 @@ from collective_matmul.grouping import GroupMember
 from collective_matmul.grouping import grouped_logical_dot_general
 from collective_matmul.ops import all_gather_matmul
 from collective_matmul.ops import matmul_reduce_scatter
-from collective_matmul.override import Decision
-from collective_matmul.override import StrictFallbackError
-from collective_matmul.override import clear_decisions
-from collective_matmul.override import decisions
 from collective_matmul.override import dot_general
-from collective_matmul.override import format_decisions
 from collective_matmul.override import logical_dot_general
+from collective_matmul.record import Decision
+from collective_matmul.record import StrictFallbackError
+from collective_matmul.record import clear_decisions
+from collective_matmul.record import decisions
+from collective_matmul.record import format_decisions
 from collective_matmul.selection import prepare_xla_for_kernels
 
 __version__ = "0.1.0"

@@ -1,19 +1,23 @@
-"""What runs for one collective matmul, forward only: the XLA baseline, the
-portable `ppermute` ring or the Hopper kernel, by the plan's `impl`.
+"""What runs for one collective matmul, forward only: the plan's `impl`
+(the XLA baseline, the portable `ppermute` ring or the Hopper kernel) with
+the plan's config, looked up in `IMPLEMENTATIONS`.
 
 No differentiation here (`primitives` wraps these in the rules every JAX
-transformation needs) and no decision (the caller passes the impl and, for
-`pallas`, the kernel config). Call inside `shard_map`.
+transformation needs) and no decision (the caller passes the plan's impl
+and config). Call inside `shard_map`.
 """
 from __future__ import annotations
 
 import math
+import types
+from typing import Any, Callable, NamedTuple
 
 from jax import lax
 import jax.numpy as jnp
 
 from collective_matmul import ring
 from collective_matmul import selection
+from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 
 
@@ -101,42 +105,99 @@ def contract_leading(a, b, precision):
       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
 
 
-def all_gather_matmul(x, w, axis_name, gather_axis, impl, config,
-                            bidirectional, precision, preferred_element_type,
-                            return_gathered=False):
-  """The product, or `(product, all_gather(x))` with `return_gathered`;
-  `config`: the kernel's, for `pallas`."""
-  if impl == Impl.BASELINE:
-    return ring.baseline_all_gather_matmul(
-        x, w, axis_name, gather_axis=gather_axis, precision=precision,
-        preferred_element_type=preferred_element_type,
-        return_gathered=return_gathered)
-  if impl == Impl.RING:
-    return ring.ring_all_gather_matmul(
-        x, w, axis_name, gather_axis=gather_axis, bidirectional=bidirectional,
-        precision=precision, preferred_element_type=preferred_element_type,
-        return_gathered=return_gathered)
+def _baseline_all_gather_matmul(x, w, axis_name, gather_axis, config,
+                                precision, preferred_element_type,
+                                return_gathered):
+  del config  # The baseline has none.
+  return ring.baseline_all_gather_matmul(
+      x, w, axis_name, gather_axis=gather_axis, precision=precision,
+      preferred_element_type=preferred_element_type,
+      return_gathered=return_gathered)
+
+
+def _baseline_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
+                                    precision, preferred_element_type):
+  del config  # The baseline has none.
+  return ring.baseline_matmul_reduce_scatter(
+      x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
+      preferred_element_type=preferred_element_type)
+
+
+def _ring_all_gather_matmul(x, w, axis_name, gather_axis,
+                            config: ring.RingConfig, precision,
+                            preferred_element_type, return_gathered):
+  return ring.ring_all_gather_matmul(
+      x, w, axis_name, gather_axis=gather_axis,
+      bidirectional=config.bidirectional, precision=precision,
+      preferred_element_type=preferred_element_type,
+      return_gathered=return_gathered)
+
+
+def _ring_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
+                                config: ring.RingConfig, precision,
+                                preferred_element_type):
+  return ring.ring_matmul_reduce_scatter(
+      x, w, axis_name, scatter_axis=scatter_axis,
+      bidirectional=config.bidirectional, precision=precision,
+      preferred_element_type=preferred_element_type)
+
+
+def _kernel_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
+                              preferred_element_type, return_gathered):
   # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
   # has nothing to select. The kernel hands back the shards it received.
+  del precision
   return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
                                    preferred_element_type, config,
                                    return_gathered)
 
 
-def matmul_reduce_scatter(x, w, axis_name, scatter_axis, impl, config,
-                                bidirectional, precision,
-                                preferred_element_type):
-  if impl == Impl.BASELINE:
-    return ring.baseline_matmul_reduce_scatter(
-        x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
-        preferred_element_type=preferred_element_type)
-  if impl == Impl.RING:
-    return ring.ring_matmul_reduce_scatter(
-        x, w, axis_name, scatter_axis=scatter_axis,
-        bidirectional=bidirectional, precision=precision,
-        preferred_element_type=preferred_element_type)
+def _kernel_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
+                                  precision, preferred_element_type):
+  del precision  # As for the all-gather kernel.
   return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
                                        preferred_element_type, config)
+
+
+class Implementation(NamedTuple):
+  """One implementation's forward for each collective, given the plan's
+  config for it:
+
+    all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
+                      preferred_element_type, return_gathered)
+    matmul_reduce_scatter(x, w, axis_name, scatter_axis, config, precision,
+                          preferred_element_type)
+  """
+
+  all_gather_matmul: Callable[..., Any]
+  matmul_reduce_scatter: Callable[..., Any]
+
+
+IMPLEMENTATIONS = types.MappingProxyType({
+    Impl.BASELINE: Implementation(_baseline_all_gather_matmul,
+                                  _baseline_matmul_reduce_scatter),
+    Impl.RING: Implementation(_ring_all_gather_matmul,
+                              _ring_matmul_reduce_scatter),
+    Impl.PALLAS: Implementation(_kernel_all_gather_matmul,
+                                _kernel_matmul_reduce_scatter),
+})
+
+
+def collective_matmul(collective: Collective, impl: Impl, config, x, w,
+                      axis_name, axis, precision, preferred_element_type,
+                      return_gathered: bool = False):
+  """`collective`'s matmul by `impl` with its `config`: the product, or
+  `(product, all_gather(x))` with `return_gathered` (all-gather only).
+  `axis` is the gathered or the scattered dimension of `x`."""
+  implementation = IMPLEMENTATIONS[impl]
+  if collective == Collective.ALL_GATHER:
+    return implementation.all_gather_matmul(
+        x, w, axis_name, axis, config, precision, preferred_element_type,
+        return_gathered)
+  if return_gathered:
+    raise ValueError("only the all-gather matmul gathers its operand")
+  return implementation.matmul_reduce_scatter(
+      x, w, axis_name, axis, config, precision, preferred_element_type)
 
 
 def times_weight_transposed(dy, w):

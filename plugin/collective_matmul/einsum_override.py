@@ -43,6 +43,7 @@ import opt_einsum
 
 from collective_matmul import config as config_lib
 from collective_matmul import override
+from collective_matmul import record
 
 # Per dimension: a logical name (or, for `mesh_axes_einsum`, a mesh axis or a
 # tuple of mesh axes), or None for unsharded.
@@ -134,7 +135,7 @@ def _einsum(subscripts, operands, *, out, optimize, precision,
   def left_to_jnp(label, arrays, reason):
     result = via_jnp()  # jnp.einsum's result, or its error.
     shapes = [tuple(np.shape(a)) for a in arrays]
-    override.record_not_served(
+    record.record_not_served(
         label, f"jnp.einsum as is: {reason}",
         lhs_shape=shapes[0] if shapes else (),
         rhs_shape=shapes[1] if len(shapes) > 1 else (),

@@ -24,6 +24,8 @@ import jax
 from collective_matmul import config as config_lib
 from collective_matmul import override
 from collective_matmul import patterns
+from collective_matmul import record
+from collective_matmul.enums import Collective
 
 
 class GroupMember(NamedTuple):
@@ -101,12 +103,12 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
   group = tuple(m.name for m in members)
   calls = [call.with_plan(plan, group=group) for call in calls]
   for call in calls:
-    override.record(call.decision, cfg.strict, call.fallback)
+    record.record(call.decision, cfg.strict, call.fallback)
   # One scope names the group's ops ("query+key+value"), so a profile can
   # attribute the shared kernel to its members.
   with jax.named_scope("+".join(_short_name(name) for name in group)):
-    return override.rewrite(calls, plan, dimension_numbers, cfg, precision,
-                            preferred_element_type)
+    return override.rewrite(calls, plan, dimension_numbers, precision,
+                            preferred_element_type, cfg.save_gathered)
 
 
 def _short_name(name: str | None) -> str:
@@ -117,17 +119,17 @@ def _short_name(name: str | None) -> str:
 def _not_groupable_reason(calls, names) -> str | None:
   """Why these members cannot share one all-gather matmul, or None."""
   first = calls[0]
-  for plan, name in zip(calls, names):
-    if plan.match is None:
-      return f"{name} is not rewritten ({plan.decision.reason})"
-    if not isinstance(plan.match, patterns.AllGatherMatch):
+  for call, name in zip(calls, names):
+    if call.match is None:
+      return f"{name} is not rewritten ({call.decision.reason})"
+    if call.match.collective != Collective.ALL_GATHER:
       return f"{name} is a matmul + reduce-scatter, not an all-gather matmul"
-    if plan.match.axis != first.match.axis:
-      return (f"{name} gathers over {plan.match.axis!r}, {names[0]} over "
+    if call.match.axis != first.match.axis:
+      return (f"{name} gathers over {call.match.axis!r}, {names[0]} over "
               f"{first.match.axis!r}")
-    if (plan.match.lhs_gather_dim, plan.match.lhs_spec) != (
+    if (call.match.lhs_gather_dim, call.match.lhs_spec) != (
         first.match.lhs_gather_dim, first.match.lhs_spec):
-      return (f"{name} gathers the activation as {plan.match.lhs_spec}, "
+      return (f"{name} gathers the activation as {call.match.lhs_spec}, "
               f"{names[0]} as {first.match.lhs_spec}")
   return None
 

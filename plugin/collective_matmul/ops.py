@@ -52,16 +52,18 @@ def _check_operands(x, w, axis, axis_arg):
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
-def _plan(collective: Collective, x, w, axis_name, axis, impl, kernel_config,
-          backward_impl, preferred_element_type, plan):
+def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
+          bidirectional, backward_impl, preferred_element_type, plan):
   """The plan a public op runs: the caller's `plan`, else `selection.choose`
-  for these operands from `impl` (and `kernel_config`, `backward_impl`)."""
+  for these operands from `impl` (and `kernel_config`, `bidirectional`,
+  `backward_impl`)."""
   if plan is not None:
     if not isinstance(plan, selection.KernelPlan):
       raise TypeError(f"plan must be a selection.KernelPlan, got {plan!r}")
-    if (impl, kernel_config, backward_impl) != (None, None, None):
+    if (impl, kernel_config, bidirectional, backward_impl) != (
+        None, None, None, None):
       raise TypeError("give either plan or impl/kernel_config/"
-                      "backward_impl, not both")
+                      "bidirectional/backward_impl, not both")
     return plan
   impl = Impl.parse(Impl.RING if impl is None else impl, "impl", OP_IMPLS)
   backward_impl = (None if backward_impl is None else
@@ -76,7 +78,9 @@ def _plan(collective: Collective, x, w, axis_name, axis, impl, kernel_config,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type))
   device = selection.device_facts()
-  chosen = selection.choose(impl, collective, problem, device,
+  options = selection.Options(
+      bidirectional=True if bidirectional is None else bidirectional)
+  chosen = selection.choose(impl, collective, problem, device, options,
                             config=kernel_config)
   if chosen.is_fallback:
     raise ValueError(
@@ -88,7 +92,8 @@ def _plan(collective: Collective, x, w, axis_name, axis, impl, kernel_config,
     return chosen
   if backward_impl != Impl.PALLAS:
     return dataclasses.replace(chosen, backward_impl=backward_impl,
-                               backward_config=None, backward_source="")
+                               backward_config=options.config(backward_impl),
+                               backward_source="")
   back = selection.choose(Impl.PALLAS, collective.transpose,
                           problem.backward(), device)
   if back.is_fallback:
@@ -108,12 +113,13 @@ _PLAN_ARGS_DOC = """
     backward_impl: implementation of the backward's collective matmul, or
       None for `impl`'s choice.
     plan: a `selection.KernelPlan` (what the drop-in `dot_general` chose),
-      instead of `impl`, `kernel_config` and `backward_impl`."""
+      instead of `impl`, `kernel_config`, `bidirectional` and
+      `backward_impl`."""
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       impl: Impl | str | None = None,
-                      bidirectional: bool = True,
+                      bidirectional: bool | None = None,
                       precision=None, preferred_element_type=None,
                       kernel_config=None, save_gathered: bool = True,
                       backward_impl: Impl | str | None = None,
@@ -130,7 +136,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     w: local weight columns `[k, n]`.
     axis_name: the mesh axis to gather over.
     gather_axis: which dimension of `x` is gathered.
-    bidirectional: for `ring` with more than two devices, send both ways.
+    bidirectional: for `ring` with more than two devices, send both ways
+      (None: yes); the plan's `ring.RingConfig`.
     precision, preferred_element_type: as in `lax.dot_general`.
     save_gathered: (default, as in `CollectiveMatmulConfig`) keep the
       gathered activation `all_gather(x)` from the forward for the weight
@@ -143,16 +150,16 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
   _check_operands(x, w, gather_axis, "gather_axis")
-  plan = _plan(Collective.ALL_GATHER, x, w, axis_name, gather_axis, impl,
-               kernel_config, backward_impl, preferred_element_type, plan)
+  plan = _plan(Collective.ALL_GATHER, x, w, axis_name, impl, kernel_config,
+               bidirectional, backward_impl, preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
-      Collective.ALL_GATHER, axis_name, gather_axis, plan, bidirectional,
-      precision, preferred_element_type, save_gathered))[0]
+      Collective.ALL_GATHER, axis_name, gather_axis, plan, precision,
+      preferred_element_type, save_gathered))[0]
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           impl: Impl | str | None = None,
-                          bidirectional: bool = True,
+                          bidirectional: bool | None = None,
                           precision=None, preferred_element_type=None,
                           kernel_config=None, save_gathered: bool = True,
                           backward_impl: Impl | str | None = None,
@@ -173,7 +180,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     scatter_axis: the leading dimension of `x` the result is scattered on
       (batch, sequence or rows); its size must divide by the axis size.
     bidirectional: for `ring` with more than two devices, sum from both
-      sides at once, halving the sequential steps.
+      sides at once, halving the sequential steps (None: yes); the plan's
+      `ring.RingConfig`.
     precision, preferred_element_type: as in `lax.dot_general`. `ring` sums
       the D partial products in float32 (or the wider
       `preferred_element_type`) and casts once at the end; `baseline` sums
@@ -189,12 +197,12 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     over the axis, on device d.
   """
   _check_operands(x, w, scatter_axis, "scatter_axis")
-  plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, scatter_axis,
-               impl, kernel_config, backward_impl, preferred_element_type,
-               plan)
+  plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, impl,
+               kernel_config, bidirectional, backward_impl,
+               preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
-      Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, bidirectional,
-      precision, preferred_element_type, save_gathered))[0]
+      Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, precision,
+      preferred_element_type, save_gathered))[0]
 
 
 all_gather_matmul.__doc__ = all_gather_matmul.__doc__.format(

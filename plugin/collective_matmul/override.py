@@ -1,4 +1,4 @@
-"""The drop-in `dot_general` and the record of what it decided.
+"""The drop-in `dot_general`: the rewrite engine.
 
 `dot_general` has `lax.dot_general`'s contract. When the active configuration
 enables the plugin and the operands form the all-gather pattern (see
@@ -6,17 +6,16 @@ enables the plugin and the operands form the all-gather pattern (see
 pattern's mesh axis; failing that, when they form the reduce-scatter pattern
 (which needs the result's sharding: `out_sharding`, or `out_axes` in logical
 mode), `ops.matmul_reduce_scatter`; otherwise it *is* `lax.dot_general` (same
-result, same compiled program). Every call at trace time leaves a `Decision`.
+result, same compiled program). Every call at trace time leaves a
+`record.Decision`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import threading
 from typing import Sequence
 
-from absl import logging
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -25,8 +24,10 @@ import numpy as np
 from collective_matmul import config as config_lib
 from collective_matmul import ops
 from collective_matmul import patterns
+from collective_matmul import record as record_lib
 from collective_matmul import selection
 from collective_matmul.enums import Collective
+from collective_matmul.record import Decision
 
 SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
                                          jnp.float16, jnp.float64)))
@@ -65,148 +66,6 @@ def _dtype_reason(lhs_dtype, rhs_dtype, preferred_element_type
   if lhs_dtype not in SUPPORTED_DTYPES:
     return f"unsupported dtype {lhs_dtype}"
   return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What the override did with one `dot_general` at trace time.
-
-  `rewritten` with `impl`, or not, with `reason` (also set when rewritten
-  with a fallback implementation, saying why). `plan`: what runs, forward
-  and backward, with the kernels' configs and their sources.
-  """
-
-  name: str | None
-  rewritten: bool
-  impl: str | None
-  reason: str
-  lhs_shape: tuple[int, ...]
-  rhs_shape: tuple[int, ...]
-  dtype: str
-  axis: str | None = None
-  mode: str | None = None  # "explicit" or "logical" sharding information.
-  pattern: str | None = None  # "all_gather" or "reduce_scatter" if matched.
-  backward_impl: str | None = None  # The backward's collective matmul.
-  # Mesh axes the weight was all-gathered over before the ring (FSDP).
-  weight_gathered: tuple[str, ...] = ()
-  # Every member's name when this projection ran in one collective matmul
-  # with siblings of the same activation (`grouping`), else ().
-  group: tuple[str | None, ...] = ()
-  # Why a projection given with siblings was not grouped with them.
-  group_reason: str = ""
-  plan: selection.KernelPlan | None = None
-
-  def __str__(self):
-    return self.describe()
-
-  def describe(self, shared_reason: str = "") -> str:
-    """One line; `shared_reason` (said once elsewhere, e.g. in a summary's
-    header) is left out."""
-    forward = self.plan.describe() if self.plan else self.impl
-    what = (f"rewritten -> {forward} over {self.axis!r}" if self.rewritten
-            else "left to XLA")
-    if self.rewritten and self.pattern == "reduce_scatter":
-      what += " (matmul + reduce-scatter)"
-    if self.rewritten and self.plan is not None and (
-        self.plan.backward_config is not None
-        or self.backward_impl != self.impl):
-      what += f", backward {self.plan.describe(backward=True)}"
-    if self.weight_gathered:
-      what += f", weight gathered over {self.weight_gathered}"
-    if self.group:
-      others = [str(n).rsplit("/", 1)[-1] for n in self.group
-                if n != self.name]
-      what += f", grouped with {', '.join(others)}"
-    # A member left alone because it is not rewritten has its reason in
-    # the group's already.
-    own = self.reason not in ("", shared_reason) and not (
-        self.group_reason and self.reason in self.group_reason)
-    why = f" ({self.reason})" if own else ""
-    if self.group_reason:
-      why += f" (not grouped: {self.group_reason})"
-    return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
-            f"{self.dtype}: {what}{why}")
-
-  def refusal(self) -> str:
-    """What strict mode says of this decision when it is a fallback."""
-    instead = (f"it would run {self.plan.describe() if self.plan else self.impl}"
-               f" over {self.axis!r}" if self.rewritten
-               else "it would be left to XLA")
-    return (f"{self.name or 'dot_general'} {self.lhs_shape}x{self.rhs_shape} "
-            f"{self.dtype} cannot be served as configured ({self.reason}); "
-            f"{instead}")
-
-
-class StrictFallbackError(ValueError):
-  """Strict mode (`CollectiveMatmulConfig.strict`) refusing a fallback: a
-  pattern was found but could not be served as configured."""
-
-
-_record_lock = threading.Lock()
-_decisions: list[Decision] = []
-
-
-def decisions() -> list[Decision]:
-  """Every decision since the last `clear_decisions()`, in trace order."""
-  with _record_lock:
-    return list(_decisions)
-
-
-def clear_decisions() -> None:
-  with _record_lock:
-    _decisions.clear()
-
-
-def format_decisions(records: Sequence[Decision] | None = None) -> str:
-  """A short human summary: one line per distinct decision, with counts."""
-  records = decisions() if records is None else records
-  # A reason every rewritten decision gives (e.g. why not the Hopper kernel,
-  # on CPU) is said once, in the header.
-  reasons = {r.reason for r in records if r.rewritten}
-  shared = reasons.pop() if len(reasons) == 1 else ""
-  counts: dict[str, int] = {}
-  for record in records:
-    line = record.describe(shared)
-    counts[line] = counts.get(line, 0) + 1
-  rewritten = sum(r.rewritten for r in records)
-  lines = [f"collective matmul: {rewritten} of {len(records)} dot_generals "
-           "rewritten" + (f" (each: {shared})" if shared else "")]
-  lines += [f"  {line}" + (f"  [x{n}]" if n > 1 else "")
-            for line, n in counts.items()]
-  return "\n".join(lines)
-
-
-_logged_fallbacks: set[str] = set()
-
-
-def record(decision: Decision, strict: bool, fallback: bool) -> None:
-  """Records a decision. A fallback (the pattern is there but not served as
-  asked) is logged as a warning once per distinct decision; everything else
-  only at verbosity 1 (`--v=1`): `format_decisions()` is the summary."""
-  with _record_lock:
-    _decisions.append(decision)
-    first = fallback and str(decision) not in _logged_fallbacks
-    if first:
-      _logged_fallbacks.add(str(decision))
-  if strict and fallback:
-    raise StrictFallbackError(
-        f"collective matmul (strict): {decision.refusal()}")
-  if first:
-    logging.warning("collective matmul fallback: %s", decision)
-  else:
-    logging.vlog(1, "collective matmul: %s", decision)
-
-
-def record_not_served(name: str | None, reason: str, *, lhs_shape=(),
-                      rhs_shape=(), dtype, mode: str | None = None) -> None:
-  """Records a matmul an entry point above `dot_general` left on its own
-  path (an einsum that is not one contraction; a framework projection that
-  is quantized, fp8, unknown, ...), so the decision record accounts for
-  every matmul, not only those that reached the matcher."""
-  record(Decision(name=name, rewritten=False, impl=None, reason=reason,
-                   lhs_shape=tuple(lhs_shape), rhs_shape=tuple(rhs_shape),
-                   dtype=str(dtype), mode=mode), strict=False,
-          fallback=False)
 
 
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
@@ -284,7 +143,7 @@ def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
                    for d in range(lhs.ndim) if d not in lhs_contract)
   n = math.prod(local(rhs.shape, match.rhs_spec, d)
                 for d in range(rhs.ndim) if d not in rhs_contract)
-  if isinstance(match, patterns.ReduceScatterMatch):
+  if match.collective == Collective.REDUCE_SCATTER:
     rows //= match.axis_size  # Rows are full before the scatter.
   return rows, k, n
 
@@ -293,18 +152,16 @@ def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
                 preferred_element_type) -> selection.KernelPlan:
   """The kernel plan for a matched pattern: `selection.choose` from the
   configuration, the per-shard sizes and the mesh's device facts."""
-  collective = (Collective.REDUCE_SCATTER
-                if isinstance(match, patterns.ReduceScatterMatch)
-                else Collective.ALL_GATHER)
   rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
   problem = selection.Problem(
       rows, k, n, jnp.dtype(lhs.dtype), match.axis_size,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type))
   return selection.choose(
-      cfg.impl, collective, problem, selection.device_facts(mesh),
+      cfg.impl, match.collective, problem, selection.device_facts(mesh),
       selection.Options(fallback_impl=cfg.fallback_impl,
-                        reduce_scatter_kernel=cfg.reduce_scatter_kernel))
+                        reduce_scatter_kernel=cfg.reduce_scatter_kernel,
+                        bidirectional=cfg.bidirectional))
 
 
 def _canonical_lhs(lhs_block, lhs_contract):
@@ -326,8 +183,8 @@ def _canonical_rhs(rhs_block, rhs_contract):
 
 
 def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
-            dimension_numbers, cfg, precision,
-            preferred_element_type) -> list[jax.Array]:
+            dimension_numbers, precision, preferred_element_type,
+            save_gathered: bool) -> list[jax.Array]:
   """Matched `dot_general`s of one activation as ONE collective op in a
   `shard_map`, as `kernel_plan` says: one call as its own pattern; several
   (all-gather matches of the same activation over the same axis) over
@@ -341,7 +198,7 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
   match, mode = first.match, first.decision.mode
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
-  if isinstance(match, patterns.ReduceScatterMatch):
+  if match.collective == Collective.REDUCE_SCATTER:
     if len(calls) > 1:
       raise ValueError("only all-gather matches share one collective matmul")
     op = functools.partial(ops.matmul_reduce_scatter,
@@ -355,10 +212,9 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
     ws, free_shapes = zip(*(_canonical_rhs(block, rhs_contract)
                             for block in rhs_blocks))
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
-    y = op(x, w, match.axis, plan=kernel_plan,
-           bidirectional=cfg.bidirectional, precision=precision,
+    y = op(x, w, match.axis, plan=kernel_plan, precision=precision,
            preferred_element_type=preferred_element_type,
-           save_gathered=cfg.save_gathered)
+           save_gathered=save_gathered)
     parts = ([y] if len(ws) == 1 else
              jnp.split(y, np.cumsum([w.shape[1] for w in ws])[:-1], axis=-1))
     return tuple(part.reshape(part.shape[:-1] + free_shape)
@@ -412,7 +268,7 @@ class CallPlan:
   fallback: bool  # A pattern found but not served as asked (strict raises).
   lhs: jax.Array | None = None
   rhs: jax.Array | None = None
-  match: patterns.AllGatherMatch | patterns.ReduceScatterMatch | None = None
+  match: patterns.Match | None = None
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
   def with_plan(self, plan: selection.KernelPlan, **decision) -> CallPlan:
@@ -509,9 +365,6 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
           not patterns.contraction_is_sharded(dimension_numbers, *specs)):
         match = all_gather_miss
       return left_to_xla(match.reason, match.fallback)
-  pattern = (Collective.REDUCE_SCATTER
-             if isinstance(match, patterns.ReduceScatterMatch)
-             else Collective.ALL_GATHER)
   (lhs_contract, rhs_contract), _ = dimension_numbers
   reason = _dtype_reason(dtype, jnp.result_type(rhs), preferred_element_type)
   if reason is not None:
@@ -522,7 +375,8 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
     return left_to_xla(f"contraction sizes differ: lhs {lhs_k}, rhs {rhs_k}",
                        fallback=True)
   decision = decide(rewritten=True, impl=None, reason="", axis=match.axis,
-                    pattern=pattern, weight_gathered=match.rhs_gathered)
+                    collective=match.collective,
+                    weight_gathered=match.rhs_gathered)
   call = CallPlan(decision, False, lhs, rhs, match, mesh)
   if not choose:
     return call
@@ -554,12 +408,12 @@ def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
                    preferred_element_type, out_sharding, lhs_axes=lhs_axes,
                    rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
                    group_reason=group_reason)
-  record(call.decision, cfg.strict, call.fallback)
+  record_lib.record(call.decision, cfg.strict, call.fallback)
   if call.match is None:
     return _plain(lhs, rhs, dimension_numbers, precision,
                   preferred_element_type, out_sharding)
-  [out] = rewrite([call], call.decision.plan, dimension_numbers, cfg,
-                  precision, preferred_element_type)
+  [out] = rewrite([call], call.decision.plan, dimension_numbers, precision,
+                  preferred_element_type, cfg.save_gathered)
   if out_sharding is not None and call.decision.mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

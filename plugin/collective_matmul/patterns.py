@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
+
+from collective_matmul.enums import Collective
 
 Spec = tuple[tuple[str, ...], ...]  # Per dimension: the mesh axes sharding it.
 
@@ -35,6 +37,7 @@ class AllGatherMatch:
   """Where the all-gather pattern sits in one `dot_general`.
 
   Attributes:
+    collective: all-gather, for every match of this pattern.
     axis: the mesh axis the collective runs over.
     axis_size: its number of devices.
     lhs_gather_dim: the lhs dimension sharded over `axis` (gathered).
@@ -46,6 +49,7 @@ class AllGatherMatch:
       (FSDP); `rhs_spec` is its layout after that gather.
   """
 
+  collective: ClassVar[Collective] = Collective.ALL_GATHER
   axis: str
   axis_size: int
   lhs_gather_dim: int
@@ -61,6 +65,7 @@ class ReduceScatterMatch:
   """Where the reduce-scatter pattern sits in one `dot_general`.
 
   Attributes:
+    collective: reduce-scatter, for every match of this pattern.
     axis: the mesh axis the collective runs over.
     axis_size: its number of devices.
     lhs_contract_dim, rhs_contract_dim: the contracting dimensions sharded
@@ -74,6 +79,7 @@ class ReduceScatterMatch:
       (FSDP); `rhs_spec` is its layout after that gather.
   """
 
+  collective: ClassVar[Collective] = Collective.REDUCE_SCATTER
   axis: str
   axis_size: int
   lhs_contract_dim: int
@@ -84,6 +90,9 @@ class ReduceScatterMatch:
   rhs_spec: Spec
   out_spec: Spec
   rhs_gathered: tuple[str, ...] = ()
+
+
+Match = AllGatherMatch | ReduceScatterMatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +171,39 @@ def _free_dims(ndim: int, contracting: Sequence[int]) -> list[int]:
   return [d for d in range(ndim) if d not in contracting]
 
 
+def _opening(dimension_numbers, specs: Spec,
+             mesh_axis_sizes: Mapping[str, int]
+             ) -> tuple[tuple[int, ...], tuple[int, ...]] | NoMatch:
+  """What both patterns check first: no batch dimensions, and every mesh
+  axis of `specs` in the mesh. Returns the contracting dimensions
+  (lhs, rhs), or the `NoMatch`."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  if lhs_batch or rhs_batch:
+    return NoMatch("dot_general has batch dimensions "
+                   f"{tuple(lhs_batch)}/{tuple(rhs_batch)}")
+  for axes in specs:
+    for axis in axes:
+      if axis not in mesh_axis_sizes:
+        return NoMatch(f"mesh axis {axis!r} of the sharding is not in the "
+                       f"mesh {dict(mesh_axis_sizes)}", fallback=True)
+  return tuple(lhs_contract), tuple(rhs_contract)
+
+
+def _indivisible(lhs_shape, rhs_shape, lhs_spec: Spec, rhs_spec: Spec,
+                 mesh_axis_sizes: Mapping[str, int]) -> NoMatch | None:
+  """The first operand dimension its shards do not divide, as a `NoMatch`,
+  or None."""
+  for name, shape, spec in (("lhs", lhs_shape, lhs_spec),
+                            ("rhs", rhs_shape, rhs_spec)):
+    for d, (size, axes) in enumerate(zip(shape, spec)):
+      shards = math.prod(mesh_axis_sizes[a] for a in axes)
+      if size % shards:
+        return NoMatch(f"{name} dimension {d} of size {size} is not "
+                       f"divisible by its {shards} shards over {axes}",
+                       fallback=True)
+  return None
+
+
 def match_all_gather_matmul(
     lhs_shape: Sequence[int],
     rhs_shape: Sequence[int],
@@ -183,16 +225,11 @@ def match_all_gather_matmul(
   Returns:
     An `AllGatherMatch`, or a `NoMatch` with the reason.
   """
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
-  if lhs_batch or rhs_batch:
-    return NoMatch("dot_general has batch dimensions "
-                   f"{tuple(lhs_batch)}/{tuple(rhs_batch)}")
-  for axes in lhs_spec + rhs_spec:
-    for axis in axes:
-      if axis not in mesh_axis_sizes:
-        return NoMatch(f"mesh axis {axis!r} of the sharding is not in the "
-                       f"mesh {dict(mesh_axis_sizes)}", fallback=True)
+  opening = _opening(dimension_numbers, lhs_spec + rhs_spec,
+                     mesh_axis_sizes)
+  if isinstance(opening, NoMatch):
+    return opening
+  lhs_contract, rhs_contract = opening
   lhs_free = _free_dims(len(lhs_shape), lhs_contract)
   rhs_free = _free_dims(len(rhs_shape), rhs_contract)
   rhs_axes_on_free = {a for d in rhs_free for a in rhs_spec[d]}
@@ -231,13 +268,10 @@ def match_all_gather_matmul(
       return NoMatch(f"rhs dimension {d} is also sharded over {rhs_spec[d]}",
                      fallback=True)
 
-  for name, shape, spec in (("lhs", lhs_shape, lhs_spec),
-                            ("rhs", rhs_shape, rhs_spec)):
-    for d, (size, axes) in enumerate(zip(shape, spec)):
-      shards = math.prod(mesh_axis_sizes[a] for a in axes)
-      if size % shards:
-        return NoMatch(f"{name} dimension {d} of size {size} is not divisible "
-                       f"by its {shards} shards over {axes}", fallback=True)
+  indivisible = _indivisible(lhs_shape, rhs_shape, lhs_spec, rhs_spec,
+                             mesh_axis_sizes)
+  if indivisible is not None:
+    return indivisible
 
   natural_out = tuple(
       lhs_spec[d][:-1] if d == lhs_gather_dim else lhs_spec[d]
@@ -250,15 +284,6 @@ def match_all_gather_matmul(
                         rhs_out_dim=rhs_out_dim, lhs_spec=tuple(lhs_spec),
                         rhs_spec=tuple(rhs_spec), out_spec=natural_out,
                         rhs_gathered=rhs_gathered)
-
-
-def _indivisible(name, shape, spec, mesh_axis_sizes) -> NoMatch | None:
-  for d, (size, axes) in enumerate(zip(shape, spec)):
-    shards = math.prod(mesh_axis_sizes[a] for a in axes)
-    if size % shards:
-      return NoMatch(f"{name} dimension {d} of size {size} is not divisible "
-                     f"by its {shards} shards over {axes}", fallback=True)
-  return None
 
 
 def match_matmul_reduce_scatter(
@@ -285,16 +310,12 @@ def match_matmul_reduce_scatter(
     when the contraction is sharded and the result is asked for sharded on
     rows over the same axis, but something else stops the rewrite.
   """
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
-  if lhs_batch or rhs_batch:
-    return NoMatch("dot_general has batch dimensions "
-                   f"{tuple(lhs_batch)}/{tuple(rhs_batch)}")
-  for axes in lhs_spec + rhs_spec + tuple(out_spec or ()):
-    for axis in axes:
-      if axis not in mesh_axis_sizes:
-        return NoMatch(f"mesh axis {axis!r} of the sharding is not in the "
-                       f"mesh {dict(mesh_axis_sizes)}", fallback=True)
+  opening = _opening(dimension_numbers,
+                     lhs_spec + rhs_spec + tuple(out_spec or ()),
+                     mesh_axis_sizes)
+  if isinstance(opening, NoMatch):
+    return opening
+  lhs_contract, rhs_contract = opening
   pairs = list(zip(lhs_contract, rhs_contract))
   candidates = sorted(
       {a for l, r in pairs for a in set(lhs_spec[l]) & set(rhs_spec[r])
@@ -355,11 +376,10 @@ def match_matmul_reduce_scatter(
         f"out_sharding {out_spec} differs from the collective matmul's "
         f"layout {natural_out} (the lhs row dimension's own sharding, then "
         f"{axis!r} last)", fallback=True)
-  for name, shape, spec in (("lhs", lhs_shape, lhs_spec),
-                            ("rhs", rhs_shape, rhs_spec)):
-    reason = _indivisible(name, shape, spec, mesh_axis_sizes)
-    if reason is not None:
-      return reason
+  indivisible = _indivisible(lhs_shape, rhs_shape, lhs_spec, rhs_spec,
+                             mesh_axis_sizes)
+  if indivisible is not None:
+    return indivisible
   row_shards = math.prod(mesh_axis_sizes[a] for a in natural_out[
       out_scatter_dim])
   if lhs_shape[lhs_scatter_dim] % row_shards:

@@ -6,7 +6,7 @@ Two primitives:
 
 - `collective_matmul(x, w)`: y = all_gather(x) @ w or reduce_scatter(x @ w)
   (`Static.collective`), optionally with all_gather(x) as a second result.
-  It carries the traced forward (`implementations`, with the plan's impl)
+  It carries the traced forward (`dispatch`, with the plan's impl)
   as its `impl_jaxpr`, so the kernels are traced, and their errors raised,
   where the op is called; lowering inlines that jaxpr.
 - `collective_matmul_tangent(res, w, dx?, dw?)`: its tangent,
@@ -43,7 +43,7 @@ from jax.interpreters import mlir
 from jax.interpreters import partial_eval as pe
 import jax.numpy as jnp
 
-from collective_matmul import implementations
+from collective_matmul import dispatch
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 
@@ -54,15 +54,14 @@ class Static:
   primitives' parameter).
 
   `axis` is the gathered (all-gather) or scattered (reduce-scatter)
-  dimension of `x`; `plan` what runs forward and backward; the other fields
-  are the public ops' arguments.
+  dimension of `x`; `plan` what runs forward and backward, with each
+  implementation's config; the other fields are the call's own arguments.
   """
 
   collective: Collective
   axis_name: Any
   axis: int
   plan: selection.KernelPlan
-  bidirectional: bool
   precision: Any
   preferred_element_type: Any
   save_gathered: bool
@@ -85,23 +84,13 @@ class Static:
 def _forward(static: Static, return_gathered: bool):
   """The function `collective_matmul` runs: (x, w) -> [y] or
   [y, all_gather(x)]."""
-  plan = static.plan
-  if static.collective == Collective.ALL_GATHER:
-    def run(x, w):
-      out = implementations.all_gather_matmul(
-          x, w, static.axis_name, static.axis, plan.impl, plan.config,
-          static.bidirectional, static.precision,
-          static.preferred_element_type, return_gathered=return_gathered)
-      return list(out) if return_gathered else [out]
-  else:
-    if return_gathered:
-      raise ValueError("only the all-gather matmul gathers its operand")
 
-    def run(x, w):
-      return [implementations.matmul_reduce_scatter(
-          x, w, static.axis_name, static.axis, plan.impl, plan.config,
-          static.bidirectional, static.precision,
-          static.preferred_element_type)]
+  def run(x, w):
+    out = dispatch.collective_matmul(
+        static.collective, static.plan.impl, static.plan.config, x, w,
+        static.axis_name, static.axis, static.precision,
+        static.preferred_element_type, return_gathered)
+    return list(out) if return_gathered else [out]
   return run
 
 
@@ -246,7 +235,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
   dx_aval = lin.pop(0).aval if has_dx else None
   dw_aval = lin.pop(0).aval if has_dw else None
   ct = ad.instantiate_zeros(ct)
-  ct_b, w_t = implementations.times_weight_transposed(ct, w)
+  ct_b, w_t = dispatch.times_weight_transposed(ct, w)
   ct_dx = ct_dw = gathered_ct = None
   if static.collective == Collective.ALL_GATHER:
     # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),
@@ -256,7 +245,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
     if has_dw:
       x_all = res if gathered else lax.all_gather(
           res, static.axis_name, axis=static.axis, tiled=True)
-      ct_dw = implementations.contract_leading(x_all, ct, static.precision)
+      ct_dw = dispatch.contract_leading(x_all, ct, static.precision)
   else:
     # y = reduce_scatter(x @ w): dx = all_gather(dy) @ w.T,
     # dw = x.T @ all_gather(dy), from the gathered dy dx's all-gather
@@ -271,7 +260,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
       if gathered_ct is None:
         gathered_ct = lax.all_gather(ct_b, static.axis_name,
                                      axis=static.axis, tiled=True)
-      ct_dw = implementations.contract_leading(res, gathered_ct,
+      ct_dw = dispatch.contract_leading(res, gathered_ct,
                                                static.precision)
   cts = []
   if has_dx:

@@ -100,11 +100,11 @@ def test_collective_flag_rewrites_the_projections_and_keeps_the_loss(
     assert decision.rewritten, decision
     # ici_tensor_sequence_parallelism sizes MaxText's own mesh axis.
     assert decision.axis == "tensor_sequence"
-    assert decision.pattern == "all_gather"
+    assert decision.collective == "all_gather"
   for layer in ("mlp/wo", "self_attention/out"):
     decision = by_name[f"layers_0/{layer}"]
     assert decision.rewritten, decision
-    assert decision.pattern == "reduce_scatter"
+    assert decision.collective == "reduce_scatter"
 
 
 def test_output_projections_can_be_left_to_xla(rng):

@@ -31,9 +31,9 @@ def _launcher_flag_names():
   # The launcher's flags: the plugin's, the attention option's and its own
   # (importing them needs no MaxText).
   from collective_matmul.integrations.maxtext import attention  # pylint: disable=g-import-not-at-top
-  from collective_matmul.integrations.maxtext import launcher  # pylint: disable=g-import-not-at-top
+  from collective_matmul.integrations.maxtext import summary  # pylint: disable=g-import-not-at-top
   names = set()
-  for module in (cm.flags, attention, launcher):
+  for module in (cm.flags, attention, summary):
     names |= {f.name for f in flags.FLAGS.get_flags_for_module(module)}
   return names
 

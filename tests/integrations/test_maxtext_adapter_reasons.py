@@ -31,7 +31,7 @@ def test_a_known_training_projection_is_served_and_named():
   reason, projection, name = _reason(_stack(("embed", "mlp")))
   assert reason is None and name == "mlp/wi_0"
   assert projection.activation_axes == projections.RESIDUAL
-  assert projection.pattern == "all_gather"
+  assert projection.collective == "all_gather"
 
 
 def test_the_output_projections_are_reduce_scatters():
@@ -42,7 +42,7 @@ def test_the_output_projections_are_reduce_scatters():
     reason, projection, name = _reason(_stack(axes, owner, attr=attr),
                                        inputs=inputs)
     assert reason is None and name == f"{owner}/{attr}"
-    assert projection.pattern == "reduce_scatter"
+    assert projection.collective == "reduce_scatter"
     assert projection.out_axes == projections.RESIDUAL
 
 
@@ -71,7 +71,7 @@ def test_the_decoders_logits_projection_is_an_all_gather_matmul():
                                             owner="decoder",
                                             attr="logits_dense"))
   assert reason is None and name == "decoder/logits_dense"
-  assert projection.pattern == "all_gather"
+  assert projection.collective == "all_gather"
   assert projection.activation_axes == projections.LOGITS_INPUT
 
 

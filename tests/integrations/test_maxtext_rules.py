@@ -160,7 +160,7 @@ def test_mlp_forward_and_grad_match_xla_on_maxtext_meshes(mesh_sizes, dtype,
         results[enabled] = (jax.jit(lambda *a: mlp(*a))(x, wi, wo),
                             step(x, wi, wo))
   rewritten = [d for d in cm.decisions() if d.rewritten]
-  assert {d.name: d.pattern for d in rewritten} == {
+  assert {d.name: d.collective for d in rewritten} == {
       "wi": "all_gather", "wo": "reduce_scatter"}
   assert all(d.axis == "tensor_sequence" for d in rewritten)
   fsdp = mesh_sizes.get("fsdp", 1) > 1

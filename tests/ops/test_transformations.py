@@ -153,8 +153,8 @@ def test_backward_runs_the_plans_backward():
   """The transposed collective matmul carries the plan's backward, and its
   own backward is the forward's (second order)."""
   plan = selection.KernelPlan("ring", "baseline")
-  static = primitives.Static(Collective.ALL_GATHER, "x", 0, plan, True, None,
-                             None, True)
+  static = primitives.Static(Collective.ALL_GATHER, "x", 0, plan, None, None,
+                             True)
   back = static.transposed(jnp.bfloat16)
   assert back.collective == Collective.REDUCE_SCATTER
   assert (back.plan.impl, back.plan.backward_impl) == ("baseline", "ring")

@@ -71,7 +71,7 @@ def test_einsum_is_rewritten_and_matches_reference(case, dtype, impl, keys):
     y = jax.jit(lambda x, w: cm.einsum(eq, x, w, out_sharding=out))(x, w)
   (decision,) = cm.decisions()
   assert decision.rewritten and decision.impl == impl, decision
-  assert decision.pattern == CASES[case][7] and decision.mode == "explicit"
+  assert decision.collective == CASES[case][7] and decision.mode == "explicit"
   assert decision.name == f"einsum({eq!r})"
   assert y.dtype == jnp.dtype(dtype)
   if out is not None:

@@ -71,7 +71,7 @@ def test_logical_einsum_output_projection_reduce_scatters(keys):
       f = jax.jit(lambda h, w: op("bsf,fd->sbd", h, w))
       y, text = f(h, w), f.lower(h, w).compile().as_text()
   (decision,) = cm.decisions()
-  assert decision.rewritten and decision.pattern == "reduce_scatter"
+  assert decision.rewritten and decision.collective == "reduce_scatter"
   assert "all-reduce" not in text and "reduce-scatter" not in text
   assert_close(y, np.einsum("bsf,fd->sbd", _f64(h), _f64(w)),
                TOLERANCE["float32"])
@@ -376,7 +376,7 @@ def test_praxis_shaped_gated_ffn_forward_and_grad(dtype, impl, keys):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
   records = cm.decisions()
   assert all(d.rewritten and d.impl == impl for d in records), records
-  served = {(d.name, d.pattern) for d in records}
+  served = {(d.name, d.collective) for d in records}
   assert served == {("ffn_layer1/einsum", "all_gather"),
                     ("ffn_layer1_gate/einsum", "all_gather"),
                     ("ffn_layer2/einsum", "reduce_scatter")}

@@ -155,7 +155,7 @@ def test_the_record_names_each_members_group(keys):
   x, kernels, _ = _inputs(keys, "qkv_gqa", "float32")
   _, decisions = _run(_grouped("qkv_gqa"), x, *kernels, enabled=True,
                       impl="ring")
-  assert [(d.name, d.rewritten, d.impl, d.axis, d.pattern) for d in
+  assert [(d.name, d.rewritten, d.impl, d.axis, d.collective) for d in
           decisions] == [(n, True, "ring", "tensor", "all_gather")
                          for n in ("query", "key", "value")]
   text = cm.format_decisions(decisions)

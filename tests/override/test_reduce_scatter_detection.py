@@ -115,7 +115,7 @@ def test_explicit_out_sharding_on_rows_is_rewritten(rng, explicit_mesh):
     out = jax.jit(lambda a, b: cm.dot_general(
         a, b, DENSE, out_sharding=out_sharding))(x, w)
   decision = _only_decision()
-  assert decision.rewritten and decision.pattern == "reduce_scatter"
+  assert decision.rewritten and decision.collective == "reduce_scatter"
   assert (decision.impl, decision.axis, decision.mode) == (
       "ring", "tensor", "explicit")
   assert "reduce-scatter" in str(decision)
@@ -184,7 +184,7 @@ def test_all_gather_pattern_is_still_tried_first(rng, explicit_mesh):
   with cm.config_context(enabled=True, impl="ring", strict=True):
     cm.dot_general(x, w, DENSE, out_sharding=P("data", None, "tensor"))
   decision = _only_decision()
-  assert decision.rewritten and decision.pattern == "all_gather"
+  assert decision.rewritten and decision.collective == "all_gather"
   assert str(decision).endswith("over 'tensor'")
 
 
@@ -216,7 +216,7 @@ def test_logical_out_axes_decide_the_reduce_scatter(rng, out_axes,
   assert decision.rewritten == rewritten, decision
   assert decision.mode == "logical" and decision.name == "wo"
   if rewritten:
-    assert decision.pattern == "reduce_scatter"
+    assert decision.collective == "reduce_scatter"
     assert out.sharding.is_equivalent_to(
         NamedSharding(mesh, P("data", "tensor", None)), out.ndim)
   else:

@@ -50,7 +50,7 @@ def test_mlp_rewrites_both_projections_and_keeps_value_and_grads(
       ours_loss, ours_grads = step(cm.dot_general)(x, wi, wo)
     records = cm.decisions()
 
-  assert [(r.rewritten, r.pattern, r.axis) for r in records] == [
+  assert [(r.rewritten, r.collective, r.axis) for r in records] == [
       (True, "all_gather", "tensor"), (True, "reduce_scatter", "tensor")]
   # The loss sums x.size O(1) terms that can nearly cancel: bound the
   # difference by f32 rounding over that many terms, not by the sum.

@@ -31,7 +31,7 @@ from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
 from collective_matmul.integrations.maxtext import attention
 from collective_matmul.integrations.maxtext import config_errors
-from collective_matmul.integrations.maxtext import launcher
+from collective_matmul.integrations.maxtext import summary
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _PROGRAM = "python -m collective_matmul.integrations.maxtext"
@@ -58,7 +58,7 @@ def usage() -> str:
   (MaxText's own flags are listed by --help where MaxText is installed)."""
   plugin_flags = "\n\n".join(
       flags.FLAGS.module_help(module).strip()
-      for module in (cm.flags, attention, launcher))
+      for module in (cm.flags, attention, summary))
   return f"{__doc__.strip()}\n\nflags:\n\n{plugin_flags}\n"
 
 
@@ -85,7 +85,7 @@ def print_decisions_after_compiles() -> None:
       printed["tables"].add(table)
       print(table, flush=True)
       if not any(record.rewritten for record in new):
-        print(f"collective matmul: {launcher.NOTHING_REWRITTEN_HINT}",
+        print(f"collective matmul: {summary.NOTHING_REWRITTEN_HINT}",
               flush=True)
 
   jax.monitoring.register_event_duration_secs_listener(on_event)
@@ -94,7 +94,7 @@ def print_decisions_after_compiles() -> None:
 def main(argv: Sequence[str]) -> None:
   try:
     version = adapter.install(
-        True if launcher.ALLOW_UNTESTED_VERSION.value else None)
+        True if summary.ALLOW_UNTESTED_VERSION.value else None)
   except adapter.MaxTextVersionError as e:
     print(f"{_PROGRAM}: {e}", file=sys.stderr)
     sys.exit(2)
@@ -105,7 +105,7 @@ def main(argv: Sequence[str]) -> None:
         f"{'on' if attention.enabled() else 'off'}"
         f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   if not any(arg.partition("=")[0] == "log_config" for arg in argv[1:]):
-    print(launcher.CONFIG_DUMP_POINTER, flush=True)
+    print(summary.CONFIG_DUMP_POINTER, flush=True)
   print_decisions_after_compiles()
   from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
   # MaxText's config errors in one line; --verbosity keeps its traceback.
@@ -123,7 +123,7 @@ def main(argv: Sequence[str]) -> None:
           "refuses a fallback; without it the projection falls back as "
           "recorded)", file=sys.stderr)
     sys.exit(1)
-  print(launcher.summary(cm.decisions(), config, version,
+  print(summary.summary(cm.decisions(), config, version,
                          attention.enabled()), flush=True)
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from collective_matmul import config as config_lib
 from collective_matmul import grouping
 from collective_matmul import override
+from collective_matmul import record
 from collective_matmul.integrations.maxtext import attention
 from collective_matmul.integrations.maxtext import projections
 
@@ -345,7 +346,7 @@ def _make_dot_general_nnx(original):
         stack, inputs, kernel, quant_dot_general, kernel_scale,
         native_fp8_compute)
     if reason is not None:
-      override.record_not_served(
+      record.record_not_served(
           name, f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
           rhs_shape=jnp.shape(kernel), dtype=jnp.result_type(inputs))
       return maxtext_path()

@@ -54,7 +54,7 @@ class Projection:
   out_axes: tuple[str, ...] | None = None
 
   @property
-  def pattern(self) -> Collective:
+  def collective(self) -> Collective:
     return (Collective.ALL_GATHER if self.out_axes is None
             else Collective.REDUCE_SCATTER)
 

@@ -14,7 +14,7 @@ from typing import Sequence
 from absl import flags
 
 from collective_matmul import config as config_lib
-from collective_matmul import override
+from collective_matmul import record as record_lib
 
 ALLOW_UNTESTED_VERSION = flags.DEFINE_bool(
     "maxtext_allow_untested_version", False,
@@ -52,17 +52,7 @@ def _settings(config: config_lib.CollectiveMatmulConfig) -> str:
   return ", ".join(parts)
 
 
-def _how(decision: override.Decision) -> str:
-  """A rewritten projection's implementation and axis, as the record says
-  it (without the per-projection parts: grouping, weight gathering)."""
-  forward = decision.plan.describe() if decision.plan else decision.impl
-  how = f"{forward} over {decision.axis!r}"
-  if decision.pattern == "reduce_scatter":
-    how += " (matmul + reduce-scatter)"
-  return how
-
-
-def summary(records: Sequence[override.Decision],
+def summary(records: Sequence[record_lib.Decision],
             config: config_lib.CollectiveMatmulConfig,
             maxtext_version: str | None = None,
             attention_on: bool | None = None) -> str:
@@ -80,7 +70,7 @@ def summary(records: Sequence[override.Decision],
                       "(--use_collective_matmul switches the plugin on)"])
   # The last decision for each projection (a program traced again, e.g. an
   # eval step, decides the same way).
-  latest: dict[str, override.Decision] = {}
+  latest: dict[str, record_lib.Decision] = {}
   for record in records:
     latest[record.name or "dot_general"] = record
   rewritten = {n: d for n, d in latest.items() if d.rewritten}
@@ -89,7 +79,8 @@ def summary(records: Sequence[override.Decision],
            f"  rewritten: {len(rewritten)} of {len(latest)} projections"]
   by_how: dict[tuple[str, str], list[str]] = {}
   for name, decision in rewritten.items():
-    by_how.setdefault((_how(decision), decision.reason), []).append(name)
+    by_how.setdefault((decision.what_runs(), decision.reason),
+                      []).append(name)
   for (how, reason), names in by_how.items():
     lines.append(f"    -> {how}: {', '.join(names)}"
                  + (f" ({reason})" if reason else ""))
