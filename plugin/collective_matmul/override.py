@@ -312,6 +312,12 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
       precision=precision, preferred_element_type=preferred_element_type),
       jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
       jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+  if not all(isinstance(d, int) for d in (*lhs.shape, *rhs.shape)):
+    # jax.export's symbolic dimensions: the ring's shard sizes and slice
+    # offsets are static.
+    return left_to_xla(f"symbolic dimension {lhs.shape}x{rhs.shape} "
+                       "(shape polymorphism): the rewrite needs static "
+                       "shapes", fallback=False)
   if 0 in lhs.shape or 0 in rhs.shape:
     return left_to_xla(f"empty operand {lhs.shape}x{rhs.shape}",
                        fallback=False)
