@@ -1,6 +1,18 @@
 """collective_matmul: all-gather overlapped with the matmul, for JAX."""
 from setuptools import setup
 
+# Logical-axis rewrites (`logical_dot_general`, Flax linen's rules) and the
+# fp8 path import Flax when first used.
+FLAX = ["flax>=0.12"]
+# The reference host (host/reference_host: model, config loader, trainer,
+# A/B harness) and its scripts.
+HOST = FLAX + [
+    "orbax-checkpoint>=0.11",
+    "PyYAML>=6.0",
+    # TensorBoard events (pure Python).
+    "tensorboardX>=2.6",
+]
+
 setup(
     name="collective-matmul",
     version="0.1.0",
@@ -15,22 +27,22 @@ setup(
               "collective_matmul.integrations.maxtext", "reference_host"],
     # The packaged table of measured kernel configs (selection/tuned.py).
     package_data={"collective_matmul": ["tuned_configs.json"]},
+    # What `import collective_matmul` and the drop-in import; a MaxText or
+    # Flax user has all of it already.
     install_requires=[
         # 0.10.2: jax.shard_map, jax.set_mesh, Explicit axes, reshard, and
         # Pallas Mosaic GPU with remote refs and global semaphores.
         "jax>=0.10.2",
-        "flax>=0.12",
-        "orbax-checkpoint>=0.11",
         "numpy>=1.26",
         "absl-py>=2.1",
-        "PyYAML>=6.0",
-        # The reference host's TensorBoard events (pure Python).
-        "tensorboardX>=2.6",
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],
         "cuda13": ["jax[cuda13]>=0.10.2"],
-        "test": ["pytest>=8"],
+        "flax": FLAX,
+        "host": HOST,
+        # The tests run the reference host too.
+        "test": ["pytest>=8"] + HOST,
         # Real MaxText (collective_matmul.integrations.maxtext): MaxText
         # declares its dependencies only under extras, so this pins the set
         # the integration tests run against (Python >= 3.12, CPU).
