@@ -236,12 +236,18 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
   dw_aval = lin.pop(0).aval if has_dw else None
   ct = ad.instantiate_zeros(ct)
   ct_b, w_t = dispatch.times_weight_transposed(ct, w)
+  # An fp8 operand's cotangent is written in the cotangent's dtype and
+  # rounded to fp8 once, at the end (as lax's dot_general transpose does),
+  # not summed across the ring in fp8.
+  dx_dtype = None
+  if has_dx:
+    dx_dtype = ct_b.dtype if dx_aval.dtype.itemsize == 1 else dx_aval.dtype
   ct_dx = ct_dw = gathered_ct = None
   if static.collective == Collective.ALL_GATHER:
     # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),
     # dw = all_gather(x).T @ dy.
     if has_dx:
-      ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_aval.dtype))[0]
+      ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_dtype))[0]
     if has_dw:
       x_all = res if gathered else lax.all_gather(
           res, static.axis_name, axis=static.axis, tiled=True)
@@ -252,7 +258,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
     # matmul assembled where `save_gathered` keeps it.
     if has_dx:
       keep = static.save_gathered and has_dw
-      outs = collective_matmul(ct_b, w_t, static.transposed(dx_aval.dtype),
+      outs = collective_matmul(ct_b, w_t, static.transposed(dx_dtype),
                                return_gathered=keep)
       ct_dx = outs[0]
       gathered_ct = outs[1] if keep else None
