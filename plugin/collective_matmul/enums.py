@@ -54,3 +54,12 @@ class Collective(_Vocabulary):
     """The other collective: the one this one's backward (dx) runs."""
     return (Collective.REDUCE_SCATTER if self is Collective.ALL_GATHER
             else Collective.ALL_GATHER)
+
+
+class MatmulDimension(_Vocabulary):
+  """A dimension of a matmul's output (as JAX's
+  `hopper_matmul_mgpu.MatmulDimension`): the kernel configs' split of a
+  tile between warpgroups, order of tiles and 2-block clusters."""
+
+  M = "m"  # Rows.
+  N = "n"  # Columns.

@@ -1,5 +1,6 @@
-"""The closed vocabularies (Impl, Collective): strings in, members out,
-validated in one place, and still strings wherever they were strings."""
+"""The closed vocabularies (Impl, Collective, MatmulDimension): strings in,
+members out, validated in one place, and still strings wherever they were
+strings."""
 import json
 
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import collective_matmul as cm
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
+from collective_matmul.enums import MatmulDimension
 
 
 @pytest.mark.parametrize("value", ["ring", Impl.RING])
@@ -69,3 +71,26 @@ def test_selection_takes_strings_at_its_boundary(monkeypatch):
     selection.choose("ring", "all_reduce", problem, hopper)
   with pytest.raises(ValueError, match="pattern='matmul'"):
     selection.cache_key(1, 2, 3, "bfloat16", 2, "H100", pattern="matmul")
+
+
+@pytest.mark.parametrize("name", ["wg_dimension", "grid_minor_dim",
+                                  "cluster_dimension"])
+def test_kernel_configs_hold_matmul_dimensions(name, rng):
+  value = str(rng.choice(["m", "n"]))
+  config = selection.AllGatherConfig(**{name: value})
+  assert getattr(config, name) is MatmulDimension(value)
+  with pytest.raises(ValueError, match=rf"{name}='k' is not one of "
+                     r"\('m', 'n'\)"):
+    selection.AllGatherConfig(**{name: "k"})
+
+
+def test_a_stored_config_reads_back_with_members_and_writes_strings(rng):
+  """Tuned tables and caches store the dimensions as "m" / "n"."""
+  fields = {"wg_dimension": str(rng.choice(["m", "n"])),
+            "grid_minor_dim": str(rng.choice(["m", "n"])),
+            "cluster_dimension": str(rng.choice(["m", "n"]))}
+  config = selection.AllGatherConfig(**fields)
+  text = json.dumps(config.to_json(), sort_keys=True)
+  assert all(f'"{k}": "{v}"' in text for k, v in fields.items())
+  assert selection.AllGatherConfig(**json.loads(text)) == config
+  assert hash(selection.AllGatherConfig(**json.loads(text))) == hash(config)

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from collective_matmul.enums import MatmulDimension
+
 # The operand dtypes the Hopper kernels take (numpy dtype names).
 KERNEL_DTYPES = ("bfloat16", "float16")
 # The SMs of an H100 or H200 (SXM): the count where JAX names none (tracing
@@ -80,8 +82,9 @@ class TileConfig:
     tile_m, tile_n, tile_k: one compute warpgroup's output tile and the k
       step of the pipeline.
     max_concurrent_steps: shared-memory pipeline depth (>= 2).
-    wg_dimension: "n" or "m": the two compute warpgroups split the CTA tile
-      along this dimension (so the CTA tile is 2x tile along it).
+    wg_dimension: `MatmulDimension` N or M ("n" or "m"): the two compute
+      warpgroups split the CTA tile along this dimension (so the CTA tile
+      is 2x tile along it).
     grid_minor_dim, grid_tile_width: order of output tiles within one ring
       step (planar snake, for L2 reuse).
     epi_tile_m, epi_tile_n: epilogue store granularity.
@@ -95,11 +98,11 @@ class TileConfig:
       of `max_concurrent_steps`); False: each tile's pipeline starts with
       a prologue once the previous one's slots are all consumed.
     cluster_dimension: None (default: blocks of one, each loading its own
-      operands), or "m" / "n": blocks run in 2-block clusters whose two
-      CTA tiles are neighbours along this dimension and share the other
-      operand's k blocks through TMA multicast ("m": both need the same B
-      block, each block loads half of it for both; "n": the same A block).
-      The kernels take it on a one-device axis only for now (the ring
+      operands), or a `MatmulDimension` ("m" / "n"): blocks run in 2-block
+      clusters whose two CTA tiles are neighbours along this dimension and
+      share the other operand's k blocks through TMA multicast ("m": both need
+      the same B block, each block loads half of it for both; "n": the same A
+      block). The kernels take it on a one-device axis only for now (the ring
       schedules do not pair their blocks); the operands are padded to the
       cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
   """
@@ -108,16 +111,21 @@ class TileConfig:
   tile_n: int = 128
   tile_k: int = 64
   max_concurrent_steps: int = 4
-  wg_dimension: str = "n"
-  grid_minor_dim: str = "m"
+  wg_dimension: MatmulDimension = MatmulDimension.N
+  grid_minor_dim: MatmulDimension = MatmulDimension.M
   grid_tile_width: int = 8
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   chain_tiles: bool = False
   epi_slots: int = 2
-  cluster_dimension: str | None = None
+  cluster_dimension: MatmulDimension | None = None
 
   def __post_init__(self):
+    # "m" / "n" (as tuned tables and caches store them) become members.
+    for name in ("wg_dimension", "grid_minor_dim", "cluster_dimension"):
+      if getattr(self, name) is not None or name != "cluster_dimension":
+        object.__setattr__(self, name,
+                           MatmulDimension.parse(getattr(self, name), name))
     for value, name in ((self.tile_m, "tile_m"), (self.tile_n, "tile_n"),
                         (self.epi_tile_m, "epi_tile_m"),
                         (self.epi_tile_n, "epi_tile_n")):
@@ -127,10 +135,6 @@ class TileConfig:
       raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"{self.max_concurrent_steps=} must be >= 2")
-    if self.wg_dimension not in ("m", "n"):
-      raise ValueError(f"{self.wg_dimension=} must be 'm' or 'n'")
-    if self.grid_minor_dim not in ("m", "n"):
-      raise ValueError(f"{self.grid_minor_dim=} must be 'm' or 'n'")
     if self.epi_slots not in (1, 2):
       raise ValueError(f"{self.epi_slots=} must be 1 or 2")
     if self.epi_slots == 1 and (self.epi_tile_m, self.epi_tile_n) != (
@@ -138,9 +142,6 @@ class TileConfig:
       raise ValueError(
           f"epi_slots=1 needs the epilogue tile {self.epi_tile_m}x"
           f"{self.epi_tile_n} to be the whole tile {self.tile_m}x{self.tile_n}")
-    if self.cluster_dimension not in (None, "m", "n"):
-      raise ValueError(
-          f"{self.cluster_dimension=} must be None, 'm' or 'n'")
     if self.grid_tile_width < 1:
       raise ValueError(f"{self.grid_tile_width=} must be >= 1")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:

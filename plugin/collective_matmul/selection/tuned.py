@@ -84,7 +84,9 @@ def key_pattern(key: str) -> Collective:
 
 _FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
                 "int | None": (int, type(None)),
-                "str | None": (str, type(None))}
+                "str | None": (str, type(None)),
+                "MatmulDimension": (str,),
+                "MatmulDimension | None": (str, type(None))}
 
 
 def config_from_fields(pattern: Collective, fields) -> TileConfig:
