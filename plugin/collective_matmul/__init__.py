@@ -14,6 +14,9 @@ Public API:
     StrictFallbackError: what strict mode raises instead of a fallback.
   prepare_xla_for_kernels: XLA_FLAGS the Hopper kernels need (call before
     JAX starts its GPU backend).
+  Fp8DirectDotGeneralOp, fp8_scaled_dot_general: Flax's fp8 matmul (same
+    variables, same math) with its fp8 products through the drop-in; they
+    import Flax, on first use.
 """
 from collective_matmul.config import CollectiveMatmulConfig
 from collective_matmul.config import config_context
@@ -37,3 +40,13 @@ from collective_matmul.record import format_decisions
 from collective_matmul.selection import prepare_xla_for_kernels
 
 __version__ = "0.1.0"
+
+# Names of modules that import Flax, resolved on first use.
+_FP8_NAMES = ("Fp8DirectDotGeneralOp", "fp8_scaled_dot_general")
+
+
+def __getattr__(name):
+  if name in _FP8_NAMES:
+    from collective_matmul import fp8  # pylint: disable=g-import-not-at-top
+    return getattr(fp8, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

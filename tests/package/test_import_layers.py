@@ -29,7 +29,7 @@ LAYERS = [
     {"primitives"},
     {"ops", "flags"},
     {"autotuning", "override"},
-    {"einsum_override", "grouping"},
+    {"einsum_override", "grouping", "fp8"},
     {"integrations", "integrations.maxtext.projections",
      "integrations.maxtext.attention", "integrations.maxtext.summary",
      "integrations.maxtext.config_errors"},
