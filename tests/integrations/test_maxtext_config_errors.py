@@ -2,6 +2,9 @@
 `config_errors.describe`, a function of the exception alone, so it runs
 without MaxText. The launcher end to end: tests/integrations/maxtext."""
 import os
+import sys
+
+import pytest
 
 from collective_matmul.integrations.maxtext import config_errors
 
@@ -76,3 +79,49 @@ def test_a_mesh_error_names_the_parallelism_keys_given_and_the_devices():
       "with the given ICI parallelism values (8 devices)")
   assert config_errors.describe_mesh(
       ValueError("bad"), ("launcher", os.devnull), 4).key == "the mesh"
+
+
+def _exits_as_maxtext_does(error):
+  """pyconfig outside tests: logs `error`, then exits 2 while handling it."""
+  def initialize(argv):
+    del argv
+    try:
+      raise error
+    except Exception:  # pylint: disable=broad-exception-caught
+      sys.exit(2)
+  return initialize
+
+
+def test_an_exit_while_handling_a_config_error_raises_it_in_one_line():
+  error = _unknown_key_error("no_such_key", ["steps"])
+  initialize = config_errors.checked(_exits_as_maxtext_does(error), _ARGV)
+  with pytest.raises(config_errors.MaxTextConfigError) as raised:
+    initialize(_ARGV)
+  assert raised.value.key == "no_such_key"
+  assert raised.value.__cause__ is error
+
+
+def test_an_exit_of_its_own_and_a_valid_config_pass_through():
+  def exits(argv):
+    del argv
+    sys.exit(3)
+  with pytest.raises(SystemExit) as exited:
+    config_errors.checked(exits, _ARGV)(_ARGV)
+  assert exited.value.code == 3
+  config = object()
+  built = []
+  assert config_errors.checked(lambda argv: config, _ARGV,
+                               built.append)(_ARGV) is config
+  assert built == [config]
+
+
+def test_a_mesh_the_devices_cannot_make_is_raised_naming_its_keys():
+  def build_mesh(config):
+    del config
+    raise AssertionError("Unspecified value unable to be determined")
+  initialize = config_errors.checked(lambda argv: object(), _ARGV,
+                                     build_mesh, lambda: 8)
+  with pytest.raises(config_errors.MaxTextConfigError) as raised:
+    initialize(_ARGV)
+  assert raised.value.key == "ici_tensor_parallelism=3"
+  assert str(raised.value).endswith("(8 devices)")

@@ -7,7 +7,7 @@ traceback (and, for an unknown key, lists every valid key). Within
 `in_one_line(argv)` such an error is raised as `MaxTextConfigError`: its
 last meaningful line, with the key it concerns, the original as its cause.
 
-`describe` is a function of the exception alone, tested without MaxText.
+`describe` and `checked` need no MaxText (tested without it).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import difflib
 import logging
 import os
 import re
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # pyconfig's message for a key that is not a MaxText field: the key, then
 # every valid key.
@@ -110,15 +110,14 @@ class _DropPyconfigErrors(logging.Filter):
                 and record.module == "pyconfig")
 
 
-@contextlib.contextmanager
-def in_one_line(argv: Sequence[str]) -> Iterator[None]:
-  """Within: MaxText's `pyconfig.initialize` raises `MaxTextConfigError`
-  (from the original error) for a config MaxText refuses, and checks that
-  the mesh it describes can be built from the devices."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from maxtext.configs import pyconfig  # pylint: disable=g-import-not-at-top
-  from maxtext.utils import maxtext_utils  # pylint: disable=g-import-not-at-top
-  initialize = pyconfig.initialize
+def checked(initialize: Callable[..., Any], argv: Sequence[str],
+            build_mesh: Callable[[Any], Any] = lambda config: None,
+            device_count: Callable[[], int] = lambda: 0
+            ) -> Callable[..., Any]:
+  """`initialize` (MaxText's `pyconfig.initialize`), raising
+  `MaxTextConfigError` from the original error where it refuses the config
+  of `argv`, then `build_mesh(config)` (raising it for a mesh the
+  `device_count()` devices cannot make)."""
   drop = _DropPyconfigErrors()
 
   def checked_initialize(*args, **kwargs):
@@ -138,12 +137,25 @@ def in_one_line(argv: Sequence[str]) -> Iterator[None]:
       for logger in loggers:
         logger.removeFilter(drop)
     try:
-      maxtext_utils.get_mesh_from_config(config)
+      build_mesh(config)
     except (AssertionError, ValueError) as e:
-      raise describe_mesh(e, argv, jax.device_count()) from e
+      raise describe_mesh(e, argv, device_count()) from e
     return config
 
-  pyconfig.initialize = checked_initialize
+  return checked_initialize
+
+
+@contextlib.contextmanager
+def in_one_line(argv: Sequence[str]) -> Iterator[None]:
+  """Within: MaxText's `pyconfig.initialize` is `checked`, with the mesh
+  MaxText's trainer builds from the config (and the devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from maxtext.configs import pyconfig  # pylint: disable=g-import-not-at-top
+  from maxtext.utils import maxtext_utils  # pylint: disable=g-import-not-at-top
+  initialize = pyconfig.initialize
+  pyconfig.initialize = checked(initialize, argv,
+                                maxtext_utils.get_mesh_from_config,
+                                jax.device_count)
   try:
     yield
   finally:
