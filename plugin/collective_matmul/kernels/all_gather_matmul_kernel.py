@@ -42,9 +42,9 @@ from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import AllGatherConfig
 
 
-def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
-                 axis_size, config: AllGatherConfig, m_shard, k, n,
-                 rows_per_batch, diagnostic_loopback):
+def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
+                 config: AllGatherConfig, m_shard, k, n, rows_per_batch,
+                 diagnostic_loopback, rhs_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   all-gather's hooks. Who forwards the shard to the next device:
 
@@ -54,7 +54,11 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
   * dedicated sender blocks (`_forward_loop`), the others only multiply; by
     rows, a later step's tile waits for its row block; k-major, its memory
     warpgroup waits for each k group as it loads it.
+
+  `refs`: the scale (where `scaled`), the output, the receive buffer
+  (D > 1).
   """
+  scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = ring_skeleton.tile_grid(config, axis_size, m_shard, k, n)
@@ -184,7 +188,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, out_ref, *maybe_scratch, axis_name,
       ring_skeleton.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
       row_block=row_block, begin_tile=begin_tile,
       delay_release=0 if eager else 1,
-      k_order=k_order if tiles_send else None)
+      k_order=k_order if tiles_send else None, b_k_major=rhs_k_major,
+      scale_ref=scale_ref)
   if not sender_sms:
     loop()
     return
@@ -300,7 +305,8 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
-                          return_gathered: bool = False):
+                          return_gathered: bool = False,
+                          rhs_layout: str = "kn", scale=None):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
@@ -308,12 +314,15 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   `diagnostics.loopback` wraps it for benchmarks (WRONG RESULTS).
 
   Args:
-    lhs: local rows `[m, k]`, bf16 or f16.
-    rhs: local columns `[k, n]`, same dtype.
+    lhs: local rows `[m, k]`, bf16 or f16, or fp8 (e4m3 or e5m2,
+      `configs.FP8_PAIRS`; gathered as fp8 bytes).
+    rhs: local columns `[k, n]`, same dtype; or with `rhs_layout="nk"`
+      given K-major, `[n, k]` (fp8 needs it, e4m3).
     axis_name: mesh axis of the ring (its devices must be NVLink peers).
     config: tiling and send pacing (`selection.select_config` picks one
       for a shape).
-    out_dtype: result dtype: lhs's (default) or float32.
+    out_dtype: result dtype: lhs's (default; bf16 for fp8 operands) or
+      float32.
     rows_per_batch: when lhs is `[b, s, k]` gathered on `s` and flattened to
       `[b * s, k]`, pass `s`: the result is then written directly in the
       `[b, D * s, n]` order (flattened), with no transposes. Needs `s` to be
@@ -322,14 +331,22 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     return_gathered: also return `all_gather(lhs)` `[D, m, k]` (blocks in
       axis-index order), assembled from the shards the ring delivered, so a
       backward pass need not gather again.
+    rhs_layout: "kn" (`rhs` is `[k, n]`) or "nk" (`[n, k]`, K-major).
+    scale: None, or an f32 scalar (shape `()`) the f32 accumulator is
+      multiplied by before it is cast: the product of fp8 operands'
+      scales. fp8 needs `config.tile_k` 128 (`configs.fp8_reason`).
 
   Returns:
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
     the flattened `[b, D * s, n]`; with `return_gathered` a pair.
   """
-  out_dtype = ring_skeleton.check_operands(lhs, rhs, out_dtype)
+  rhs_k_major = ring_skeleton.rhs_k_major(rhs_layout)
+  ring_skeleton.check_scale(scale)
+  out_dtype = ring_skeleton.check_operands(lhs, rhs, out_dtype,
+                                           k_major=rhs_k_major,
+                                           tile_k=config.tile_k)
   m, k = lhs.shape
-  n = rhs.shape[1]
+  n = rhs.shape[0] if rhs_k_major else rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
   ring_skeleton.check_config(config, AllGatherConfig)
   ring_skeleton.check_cluster(config, axis_size)
@@ -341,9 +358,10 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                                                 out_dtype, rows_per_batch)
   if pad.any:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
-    rhs = jnp.pad(rhs, ((0, pad.k), (0, pad.n)))
+    rhs = jnp.pad(rhs, ((0, pad.n), (0, pad.k)) if rhs_k_major else
+                  ((0, pad.k), (0, pad.n)))
   m_shard, k_pad = lhs.shape
-  n_pad = rhs.shape[1]
+  n_pad = n + pad.n
   out_types = [jax.ShapeDtypeStruct((axis_size * m_shard, n_pad), out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the shard used at ring step s + 1.
@@ -353,9 +371,11 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
-                        diagnostic_loopback=diagnostics.loopback_active()),
+                        diagnostic_loopback=diagnostics.loopback_active(),
+                        rhs_k_major=rhs_k_major, scaled=scale is not None),
       out_types, cluster_size=config.cluster_size)
-  results = kernel(lhs, rhs)
+  scales = () if scale is None else (scale.reshape(1),)
+  results = kernel(lhs, rhs, *scales)
   out = results[0]
   if pad.m or pad.n:
     out = out.reshape(axis_size, m_shard, n_pad)[:, :m, :n]

@@ -58,6 +58,44 @@ def dtype_reason(dtype, out_dtype=None) -> str | None:
   return None
 
 
+# fp8 operand pairs the kernels take (lhs, rhs; numpy dtype names): e4m3 x
+# e4m3 (a forward product) and e5m2 x e4m3 (a gradient times a weight).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_PAIRS = (("float8_e4m3fn", "float8_e4m3fn"),
+             ("float8_e5m2", "float8_e4m3fn"))
+# Results of an fp8 product (the accumulator, scaled, in this dtype).
+FP8_OUT_DTYPES = ("bfloat16", "float32")
+# The k step of an fp8 pipeline: 8-bit wgmma operands are read K-major from
+# shared memory, whose 128-byte swizzle holds 128 fp8 elements of k.
+FP8_TILE_K = 128
+
+
+def is_fp8(dtype) -> bool:
+  return np.dtype(dtype).name in FP8_DTYPES
+
+
+def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
+               tile_k: int) -> str | None:
+  """Why the kernels cannot take fp8 operands `lhs_dtype` x `rhs_dtype`
+  with results of `out_dtype` (None: bf16), the weight K-major ([n, k],
+  `rhs_k_major`) or not, in k steps of `tile_k`; None if they can."""
+  pair = (np.dtype(lhs_dtype).name, np.dtype(rhs_dtype).name)
+  if pair not in FP8_PAIRS:
+    allowed = ", ".join(f"{a} x {b}" for a, b in FP8_PAIRS)
+    return f"fp8 operands {pair[0]} x {pair[1]} (kernel takes {allowed})"
+  out = np.dtype(out_dtype or "bfloat16").name
+  if out not in FP8_OUT_DTYPES:
+    return (f"preferred_element_type {out} of an fp8 product (kernel gives "
+            "bfloat16 or float32)")
+  if not rhs_k_major:
+    return ("an fp8 weight given [k, n]: 8-bit wgmma operands are read "
+            "K-major, pass it as [n, k] (rhs_layout='nk')")
+  if tile_k != FP8_TILE_K:
+    return (f"tile_k={tile_k} with fp8 operands (the 128-byte swizzle holds "
+            f"{FP8_TILE_K} fp8 elements of k: tile_k={FP8_TILE_K})")
+  return None
+
+
 def cluster_reason(config, axis_size: int) -> str | None:
   """Why `config` cannot run on an axis of `axis_size` devices, or None:
   2-block clusters (`TileConfig.cluster_dimension`) run on a one-device

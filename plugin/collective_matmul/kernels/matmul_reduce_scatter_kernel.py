@@ -49,13 +49,15 @@ from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import ReduceScatterConfig
 
 
-def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
+def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
                  config: ReduceScatterConfig, m_block, k, n, rows_per_batch,
-                 diagnostic_loopback):
+                 diagnostic_loopback, w_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   reduce-scatter's hooks: a tile's k loop sends (and announces) the previous
   tile's partial sum, and its epilogue adds the partial sum it received and
-  sends the sum on, or stores it once complete."""
+  sends the sum on, or stores it once complete. `refs`: the scale (where
+  `scaled`), the output, the receive buffer (D > 1)."""
+  scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
   scratch_ref = maybe_scratch[0] if maybe_scratch else None
   out_dtype = out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
@@ -159,7 +161,7 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
           for i in range(min(2, num_epi)):
             load_partial(i)
 
-      acc = acc_ref[...].astype(out_dtype)
+      acc = tile.accumulator(acc_ref)
 
       def to_peer(src, epi):
         send = lambda: plgpu.copy_smem_to_gmem(
@@ -216,11 +218,13 @@ def _ring_kernel(x_ref, w_ref, out_ref, *maybe_scratch, axis_name, axis_size,
   ring_skeleton.ring_tile_loop(
       grid, x_ref, w_ref, out_ref, row_block=row_block,
       begin_tile=begin_tile, delay_release=0,
-      scratch=dict(received=plgpu.Barrier(num_barriers=4)))
+      scratch=dict(received=plgpu.Barrier(num_barriers=4)),
+      b_k_major=w_k_major, scale_ref=scale_ref)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
-                          out_dtype=None, rows_per_batch: int | None = None):
+                          out_dtype=None, rows_per_batch: int | None = None,
+                          w_layout: str = "kn", scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
@@ -228,23 +232,35 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
 
   Args:
     x: `[D * m, k]`: all rows, this device's slice of the contraction;
-      bf16 or f16.
-    w: `[k, n]`, the matching rows of the weight, same dtype.
+      bf16 or f16, or fp8 (e4m3 or e5m2, `configs.FP8_PAIRS`).
+    w: `[k, n]`, the matching rows of the weight, same dtype; or with
+      `w_layout="nk"` given K-major, `[n, k]` (fp8 needs it, e4m3: for
+      `dy @ w.T` the weight stored `[k_model, n_model]` already is).
     axis_name: mesh axis of the ring (NVLink peers).
     config: tiling and send pacing (`selection.select_reduce_scatter_config`
       picks one for a shape).
-    out_dtype: result (and partial-sum) dtype: x's (default) or float32.
+    out_dtype: result (and partial-sum) dtype: x's (default; bf16 for fp8
+      operands) or float32.
     rows_per_batch: when x is `[b, D * s, k]` scattered on the middle
       dimension and flattened, pass `s`: row block d is then rows
       `[:, d * s:(d + 1) * s]` and the result is `[b, s, n]` flattened, with
       no transposes. `s` must be a multiple of the CTA tile rows.
+    w_layout: "kn" (`w` is `[k, n]`) or "nk" (`[n, k]`, K-major).
+    scale: None, or an f32 scalar (shape `()`, the same on every device)
+      that each device's partial product is multiplied by, in f32, before
+      it is cast and summed: the product of fp8 operands' scales. fp8
+      needs `config.tile_k` 128 (`configs.fp8_reason`).
 
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
   """
-  out_dtype = ring_skeleton.check_operands(x, w, out_dtype, names=("x", "w"))
+  w_k_major = ring_skeleton.rhs_k_major(w_layout, "w")
+  ring_skeleton.check_scale(scale)
+  out_dtype = ring_skeleton.check_operands(x, w, out_dtype, names=("x", "w"),
+                                           k_major=w_k_major,
+                                           tile_k=config.tile_k)
   rows, k = x.shape
-  n = w.shape[1]
+  n = w.shape[0] if w_k_major else w.shape[1]
   axis_size = lax.axis_size(axis_name)
   if rows % axis_size:
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
@@ -261,9 +277,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   if pad.any:
     x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
     x = x.reshape(axis_size * (m + pad.m), k + pad.k)
-    w = jnp.pad(w, ((0, pad.k), (0, pad.n)))
+    w = jnp.pad(w, ((0, pad.n), (0, pad.k)) if w_k_major else
+                ((0, pad.k), (0, pad.n)))
   m_block, k_pad = m + pad.m, k + pad.k
-  n_pad = w.shape[1]
+  n_pad = n + pad.n
   out_types = [jax.ShapeDtypeStruct((m_block, n_pad), out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the partial sum for ring step s + 1.
@@ -273,7 +290,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_block=m_block,
                         k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
-                        diagnostic_loopback=diagnostics.loopback_active()),
+                        diagnostic_loopback=diagnostics.loopback_active(),
+                        w_k_major=w_k_major, scaled=scale is not None),
       out_types, cluster_size=config.cluster_size)
-  out = kernel(x, w)[0]
+  scales = () if scale is None else (scale.reshape(1),)
+  out = kernel(x, w, *scales)[0]
   return out[:m, :n] if (pad.m or pad.n) else out

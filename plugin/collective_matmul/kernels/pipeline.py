@@ -20,7 +20,7 @@ def swizzled(dtype, cols: int):
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
                     delay_release=1, before_load=None, chained=False,
-                    first_step=None, multicast=None):
+                    first_step=None, multicast=None, b_k_major=False):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -57,6 +57,10 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   once for both, by TMA multicast (each block loads half), and a slot is
   free again only once both blocks' compute warpgroups consumed it (the
   consumed barriers are cluster barriers). None: no cluster.
+
+  `b_k_major`: B is given K-major, `[n, k]` (its k blocks are
+  `(cta_tile_n, tile_k)`, as 8-bit wgmma operands must be read); the body
+  then multiplies by the slot transposed. False: `[k, n]`.
   """
   order = k_order or (lambda kk: kk)
   if multicast not in (None, "m", "n"):
@@ -69,7 +73,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         stages=max_concurrent_steps, order=order, before_load=before_load,
-        first_step=first_step, multicast=multicast)
+        first_step=first_step, multicast=multicast, b_k_major=b_k_major)
 
   def waited_body(idxs, a_smem, b_smem, carry):
     carry = body(idxs, a_smem, b_smem, carry)
@@ -86,6 +90,16 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
     return 0, order(kk)
 
   transforms = swizzled(dtype, tile_k)
+  if b_k_major:
+    b_spec = plgpu.BlockSpec((cta_tile_n, tile_k), lambda kk: (0, order(kk)),
+                             transforms=transforms, memory_space=plgpu.SMEM,
+                             delay_release=delay_release,
+                             **_shared("m", multicast))
+  else:
+    b_spec = plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
+                             transforms=transforms, memory_space=plgpu.SMEM,
+                             delay_release=delay_release,
+                             **_shared("m", multicast))
   return plgpu.emit_pipeline_warp_specialized(
       waited_body,
       grid=(k_iters,),
@@ -95,10 +109,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                           transforms=transforms, memory_space=plgpu.SMEM,
                           delay_release=delay_release,
                           **_shared("n", multicast)),
-          plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
-                          transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=delay_release,
-                          **_shared("m", multicast)),
+          b_spec,
       ],
       wg_axis="wg",
       num_compute_wgs=2,
@@ -142,11 +153,11 @@ class _OffsetChain:
   JAX's, so `chain_slots_free` and the skeleton's allocation are the same
   for both; with `multicast` as JAX's with that BlockSpec's
   `collective_axes` (cluster barriers for `consumed`, one operand loaded
-  by multicast)."""
+  by multicast; with `b_k_major` B's slots are `(cta_tile_n, tile_k)`)."""
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step,
-               multicast=None):
+               multicast=None, b_k_major=False):
     self.body, self.compute_context = body, compute_context
     self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
                                                      tile_k)
@@ -154,6 +165,11 @@ class _OffsetChain:
     self.before_load, self.first_step = before_load, first_step
     self.transforms = swizzled(dtype, tile_k)
     self.multicast = multicast
+    self.b_k_major = b_k_major
+
+  def b_block_shape(self):
+    return ((self.cta_tile_n, self.tile_k) if self.b_k_major else
+            (self.tile_k, self.cta_tile_n))
 
   def get_allocations(self, a_ref, b_ref):
     if self.multicast is None:
@@ -166,7 +182,7 @@ class _OffsetChain:
         flat_in_smem_refs=[
             plgpu.SMEM((self.stages, self.cta_tile_m, self.tile_k),
                        a_ref.dtype, transforms=self.transforms),
-            plgpu.SMEM((self.stages, self.tile_k, self.cta_tile_n),
+            plgpu.SMEM((self.stages, *self.b_block_shape()),
                        b_ref.dtype, transforms=self.transforms)],
         flat_out_smem_refs=[],
         flat_produced_barrier_refs=[
@@ -198,8 +214,10 @@ class _OffsetChain:
         plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(0, self.cta_tile_m), cols],
                                 a_smem.at[s], produced.at[s],
                                 **_shared("n", self.multicast))
-        plgpu.copy_gmem_to_smem(b_ref.at[cols, pl.ds(0, self.cta_tile_n)],
-                                b_smem.at[s], produced.at[s],
+        b_block = (b_ref.at[pl.ds(0, self.cta_tile_n), cols]
+                   if self.b_k_major else
+                   b_ref.at[cols, pl.ds(0, self.cta_tile_n)])
+        plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced.at[s],
                                 **_shared("m", self.multicast))
 
     @pl.when(wg < 2)

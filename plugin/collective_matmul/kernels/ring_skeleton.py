@@ -53,14 +53,53 @@ def kernel_call(body, out_types, cluster_size: int = 1):
   )
 
 
-def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs")):
-  """Validates a kernel's 2-D operands; returns the result dtype."""
+_JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+# The layouts a kernel takes its weight in: "kn" (`[k, n]`) or "nk"
+# (`[n, k]`, K-major).
+RHS_LAYOUTS = ("kn", "nk")
+
+
+def rhs_k_major(layout, name="rhs") -> bool:
+  """Whether a weight given in `layout` (`RHS_LAYOUTS`) is K-major."""
+  if layout not in RHS_LAYOUTS:
+    raise ValueError(f"{name}_layout={layout!r} must be 'kn' ([k, n]) or "
+                     "'nk' ([n, k], K-major)")
+  return layout == "nk"
+
+
+def check_scale(scale):
+  """The per-tensor scale of a product: an f32 scalar, or None."""
+  if scale is None:
+    return
+  if (getattr(scale, "shape", None) != ()
+      or getattr(scale, "dtype", None) != jnp.float32):
+    raise ValueError(
+        f"scale of shape {getattr(scale, 'shape', None)} and dtype "
+        f"{getattr(scale, 'dtype', type(scale).__name__)}: expected a float32 "
+        "scalar (shape ()), the product of the operands' scales")
+
+
+def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs"), *,
+                   k_major=False, tile_k=None):
+  """Validates a kernel's 2-D operands (the weight `[n, k]` where
+  `k_major`); returns the result dtype."""
   a, b = names
   if lhs.ndim != 2 or rhs.ndim != 2:
     raise ValueError(f"expected 2-D {a} and {b}, got {lhs.shape}, {rhs.shape}")
-  if lhs.shape[1] != rhs.shape[0]:
+  rhs_k = rhs.shape[1] if k_major else rhs.shape[0]
+  if lhs.shape[1] != rhs_k:
     raise ValueError(f"contraction sizes differ: {a} k={lhs.shape[1]}, "
-                     f"{b} k={rhs.shape[0]}")
+                     f"{b} k={rhs_k}" + (" (given [n, k])" if k_major else ""))
+  if configs.is_fp8(lhs.dtype) or configs.is_fp8(rhs.dtype):
+    reason = configs.fp8_reason(lhs.dtype, rhs.dtype, out_dtype, k_major,
+                                tile_k)
+    if reason is not None:
+      raise ValueError(f"{a} and {b}: {reason}")
+    if lhs.dtype != rhs.dtype and _JAX_VERSION < (0, 11):
+      raise ValueError(
+          f"{a} and {b}: fp8 operands {lhs.dtype} x {rhs.dtype} need JAX >= "
+          f"0.11 (the wgmma of JAX {jax.__version__} takes one dtype)")
+    return jnp.dtype(out_dtype or jnp.bfloat16)
   if lhs.dtype != rhs.dtype:
     raise ValueError(f"dtypes differ: {a} {lhs.dtype}, {b} {rhs.dtype}")
   reason = configs.dtype_reason(lhs.dtype, out_dtype)
@@ -210,6 +249,8 @@ class Tile:
     loop_info: the persistent loop's step.
     scratch: the collective's shared-memory scratch (`ring_tile_loop`'s
       `scratch`).
+    scale: the f32 scalar the accumulator is multiplied by in the epilogue
+      (`ring_tile_loop`'s `scale_ref`, loaded once per block), or None.
   """
 
   grid: TileGrid
@@ -225,6 +266,14 @@ class Tile:
   out_ref: Any
   out_smem: Any
   scratch: dict[str, Any]
+  scale: Any = None
+
+  def accumulator(self, acc_ref):
+    """The warpgroup's f32 accumulator, scaled (`scale`), in the out dtype."""
+    acc = acc_ref[...]
+    if self.scale is not None:
+      acc = acc * self.scale
+    return acc.astype(self.out_ref.dtype)
 
   def slot(self, i):
     """The epilogue slot epilogue tile i goes through (i % 2, or the one
@@ -261,8 +310,9 @@ class Tile:
         received.load(i + 2)
 
   def store_to_output(self, acc_ref):
-    """The plain epilogue: the accumulator, cast, into the output."""
-    acc = acc_ref[...].astype(self.out_ref.dtype)
+    """The plain epilogue: the accumulator, scaled and cast, into the
+    output."""
+    acc = self.accumulator(acc_ref)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     self.store_accumulator(acc, self.to_output)
 
@@ -314,7 +364,8 @@ def persistent_loop(total: int, num_blocks: int):
 
 def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
                    begin_tile, delay_release, k_order=None, scratch=None,
-                   num_blocks: int | None = None):
+                   num_blocks: int | None = None, b_k_major: bool = False,
+                   scale_ref=None):
   """The body both ring kernels run: one persistent loop over the tiles of
   all D ring steps, each tile a warp-specialized pipeline (allocated once)
   accumulating into f32 registers, then an epilogue through two
@@ -323,7 +374,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   Args:
     grid: `tile_grid(...)`.
     a_ref, b_ref, out_ref: A (rows chosen per tile by the hooks), B (whose
-      CTA-tile columns every tile multiplies) and the output.
+      CTA-tile columns every tile multiplies; `[k, n]`, or `[n, k]` with
+      `b_k_major`) and the output. The operands' dtypes are the wgmma's:
+      bf16 or f16, or fp8 (K-major B, `configs.fp8_reason`).
     row_block: `row_block(step, m_idx) -> (block, out_rows)`: the ring's
       row block a tile works on and the output rows it writes.
     begin_tile: `begin_tile(tile: Tile) -> TileHooks`, the collective's
@@ -334,6 +387,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       (reach them through `Tile.scratch`).
     num_blocks: run the tiles on the first `num_blocks` blocks only (the
       others are the collective's, e.g. dedicated senders); default all.
+    b_k_major: B is `[n, k]`; its k blocks are multiplied transposed.
+    scale_ref: a `(1,)` f32 in global memory that every accumulator is
+      multiplied by in the epilogue (`Tile.accumulator`), or None.
   """
   config = grid.config
   dtype, out_dtype = a_ref.dtype, out_ref.dtype
@@ -356,13 +412,17 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
         chained=chained, first_step=first_step,
-        multicast=config.cluster_dimension)
+        multicast=config.cluster_dimension, b_k_major=b_k_major)
+
+  def b_columns(cols):
+    """B's k blocks of the output columns `cols`."""
+    return b_ref.at[cols, :] if b_k_major else b_ref.at[:, cols]
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
       ignore, ignore, None if k_order is None else jnp.int32(0)
   ).get_allocations(a_ref.at[pl.ds(0, cta_tile_m), :],
-                    b_ref.at[:, pl.ds(0, cta_tile_n)])
+                    b_columns(pl.ds(0, cta_tile_n)))
 
   @functools.partial(
       pl.run_scoped,
@@ -377,6 +437,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
     if chained:
       chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
+    # Read once per block; every epilogue multiplies by it.
+    scale = None if scale_ref is None else scale_ref[0]
     total = grid.axis_size * math.prod(grid.cluster_iters)
     loop = (plgpu.nd_loop((total,), collective_axes="cluster_grid")
             if num_blocks is None else persistent_loop(total, num_blocks))
@@ -394,7 +456,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       tile = Tile(grid=grid, step=step, m_idx=m_idx, n_idx=n_idx,
                   block=block, out_rows=out_rows, cta_n=cta_n, wg_m=wg_m,
                   wg_n=wg_n, loop_info=loop_info, out_ref=out_ref,
-                  out_smem=out_smem, scratch=scratch_refs)
+                  out_smem=out_smem, scratch=scratch_refs, scale=scale)
       hooks = begin_tile(tile)
       epilogue = hooks.epilogue or tile.store_to_output
 
@@ -410,7 +472,10 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         # The pipeline waits for the wgmma (`matmul_pipeline`).
-        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+        if b_k_major:
+          plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].T)
+        else:
+          plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
         if hooks.k_step is not None:
           (kk,) = idxs
           hooks.k_step(kk, a_smem)
@@ -420,7 +485,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         make_pipeline(mma_body, compute_context, n_idx, hooks.before_load,
                       loop_info.local_index * grid.k_iters)(
             a_rows_ref.at[pl.ds(row, cta_tile_m), :],
-            b_ref.at[:, cta_n],
+            b_columns(cta_n),
             allocations=pipeline_allocs)
 
       hooks.run(matmul)
