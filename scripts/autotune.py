@@ -64,7 +64,7 @@ def plan_calls(args, d):
                                        args.pattern, config, m, k, n, d,
                                        dtype)
                   for i, config in enumerate(autotuning.candidate_configs(
-                      args.pattern, m, k, n, dtype, d,
+                      args.pattern, selection.Problem(m, k, n, dtype, d),
                       device=bench_plan.planned_device(devices=d)))]
     calls += candidates
     calls.append(bench_plan.FnCall(
@@ -114,11 +114,12 @@ def main():
                        axis_types=(jax.sharding.AxisType.Explicit,))
   for text in args.shapes:
     m, k, n = parse_shape(text)
-    best, results = autotuning.autotune(m, k, n, dtype, mesh, "x",
-                                     iterations=args.iterations,
-                                     pattern=args.pattern,
-                                     rounds=args.rounds,
-                                     finalists=args.finalists)
+    problem = selection.Problem(m, k, n, dtype, jax.device_count())
+    best, results = autotuning.autotune(problem, mesh, "x",
+                                        iterations=args.iterations,
+                                        pattern=args.pattern,
+                                        rounds=args.rounds,
+                                        finalists=args.finalists)
     for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:
       print(f"{text}: {us:8.1f} us  {name}")
     print(f"{text}: best {best}")

@@ -18,7 +18,6 @@ import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -48,11 +47,11 @@ def does_not_fit(error: BaseException) -> bool:
 
 
 def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
-                      m=None, k=None, n=None,
-                      dtype=jnp.bfloat16, axis_size: int = 2, device=None):
-  """The configurations autotuning tries for `pattern`.
+                      problem: selection.Problem | None = None, device=None):
+  """The configurations autotuning tries for `pattern` (for `problem`'s
+  dtypes; without a problem, for bf16).
 
-  All-gather: with the local shape given, the heuristic's own choice
+  All-gather: with the problem given, the heuristic's own choice
   (`selection.heuristic_config`) first; then every tile candidate x send gap
   x grid width, and every tile candidate x grid width with
   `selection.SENDER_SMS` dedicated sender blocks, by rows and k-major (send
@@ -60,25 +59,25 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   (`selection.SENDER_WIDE_TILE_K`) where enough pipeline stages fit;
   chained tiles (`chain_tiles`) with the senders by rows and, released
   eagerly, with each send gap, as `selection` takes them where measured.
-  Reduce-scatter:
-  the send pacing around the chosen config of local shape m x k x n (row
-  pieces x send gap; the pacing that wins depends on how many waves a ring
-  step takes), and the whole-tile configs unpaced. `device`: the
+  Reduce-scatter (needs the problem):
+  the send pacing around the chosen config of the problem (row pieces x
+  send gap; the pacing that wins depends on how many waves a ring step
+  takes), and the whole-tile configs unpaced. `device`: the
   `selection.DeviceFacts` the choices read (None: this machine's; a plan
   on CPU passes those of the GPU it stands for).
   """
   pattern = Collective.parse(pattern, "pattern")
   if pattern == Collective.ALL_GATHER:
     seen = set()
-    for config in _all_gather_candidates(m, k, n, dtype, axis_size, device):
+    for config in _all_gather_candidates(problem, device):
       if config not in seen:
         seen.add(config)
         yield config
     return
-  if None in (m, k, n):
-    raise ValueError("reduce-scatter candidates need the local m, k and n")
-  base = selection.select_reduce_scatter_config(m, k, n, dtype, axis_size,
-                                                device=device)
+  if problem is None:
+    raise ValueError("reduce-scatter candidates need the problem")
+  base = selection.config_for(Collective.REDUCE_SCATTER, problem,
+                              device or selection.device_facts())[0]
   for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
     for gap in gaps:
       try:
@@ -88,16 +87,16 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
 
 
-def _all_gather_candidates(m, k, n, dtype, axis_size, device):
+def _all_gather_candidates(problem, device):
   """`candidate_configs`' all-gather list, in order, duplicates included:
-  the heuristic's own choice first where the shape is given (so the sweep
+  the heuristic's own choice first where the problem is given (so the sweep
   always times the default, e.g. its sender count on idle SMs, which the
   grid lacks), then the grid."""
-  if None not in (m, k, n):
-    yield selection.heuristic_config(
-        Collective.ALL_GATHER,
-        selection.Problem(m, k, n, dtype, axis_size),
-        device or selection.device_facts())
+  itemsizes = (2, 2)  # bf16
+  if problem is not None:
+    itemsizes = problem.itemsizes
+    yield selection.heuristic_config(Collective.ALL_GATHER, problem,
+                                     device or selection.device_facts())
   for base in selection.tile_candidates():
     for gap in (8, 12, 16):
       for width in (4, 8):
@@ -111,7 +110,7 @@ def _all_gather_candidates(m, k, n, dtype, axis_size, device):
                                   grid_tile_width=width)
       wide = selection.wide_sender_tiles(dataclasses.replace(
           base, sender_sms=selection.SENDER_SMS, k_major_sends=True,
-          grid_tile_width=width), dtype)
+          grid_tile_width=width), *itemsizes)
       if wide is not None:
         yield wide
 
@@ -161,17 +160,17 @@ def _final_rounds(finalists, operands, rounds, iterations, results):
   return best
 
 
-def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
+def autotune(problem: selection.Problem, mesh, axis_name: str, *,
              configs=None, iterations: int = 5, store: bool = True,
              pattern: Collective | str = Collective.ALL_GATHER,
              rounds: int = 1, finalists: int = 3):
   """Finds the fastest correct config for one kernel and local shape.
 
   Args:
-    m, k, n: local (per-device) sizes: all-gather, shards m x k and k x n;
-      reduce-scatter, m rows after the scatter, k local contraction, n
-      output columns (the kernel's x is D*m x k).
-    dtype: bf16 or f16.
+    problem: the per-device problem: all-gather, shards rows x k and
+      k x n; reduce-scatter, rows after the scatter, k local contraction,
+      n output columns (the kernel's x is D*rows x k); bf16 or f16; its
+      axis size that of `axis_name`.
     mesh: a mesh whose `axis_name` axis is the ring (its devices NVLink
       peers); other axes must have size 1.
     axis_name: the ring's mesh axis.
@@ -194,6 +193,10 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
                      ">= 1")
   pattern = Collective.parse(pattern, "pattern")
   d = mesh.shape[axis_name]
+  if problem.axis_size != d:
+    raise ValueError(f"the problem's axis size {problem.axis_size} is not "
+                     f"that of mesh axis {axis_name!r} ({d})")
+  m, k, n, dtype = problem.rows, problem.k, problem.n, problem.dtype
   key = jax.random.key(0)
   if pattern == Collective.ALL_GATHER:
     shapes = ((d * m, k), (k, d * n))
@@ -219,7 +222,7 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
     ref = np.asarray(build(Impl.RING)(a, b), np.float32)
     results, best, timed = {}, None, []
     if configs is None:
-      configs = list(candidate_configs(pattern, m, k, n, dtype, d))
+      configs = list(candidate_configs(pattern, problem))
     for config in configs:
       start = time.time()
       f = build(Impl.PALLAS, config)
@@ -250,7 +253,7 @@ def autotune(m: int, k: int, n: int, dtype, mesh, axis_name: str, *,
     raise RuntimeError(f"autotune: no candidate ran for {m}x{k}x{n}")
   if store:
     path = selection.store_cached_config(
-        best[1], m, k, n, dtype, d, selection.device_facts().device_kind,
+        best[1], problem, selection.device_facts().device_kind,
         pattern=pattern)
     logging.info("autotune: stored %s in %s", best[1], path)
   return best[1], results

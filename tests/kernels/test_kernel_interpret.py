@@ -151,7 +151,7 @@ def test_shapes_off_the_tiles_are_padded(kernel, config, keys):
 ], ids=["all_gather", "reduce_scatter"])
 def test_float32_output_from_f16(kernel, config, keys):
   # Fewer stages, so the float32 epilogue fits (as `selection` does).
-  config = selection.fit_shared_memory(config, jnp.float16, jnp.float32)
+  config = config.fit_shared_memory(2, 4)  # f16 operands, f32 results.
   a, b = _operands(keys, 256, 192, 256, jnp.float16)
   out = _run(kernel, config, a, b, out_dtype=jnp.float32)
   assert out.dtype == jnp.float32

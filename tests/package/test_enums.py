@@ -70,7 +70,8 @@ def test_selection_takes_strings_at_its_boundary(monkeypatch):
   with pytest.raises(ValueError, match="collective='all_reduce'"):
     selection.choose("ring", "all_reduce", problem, hopper)
   with pytest.raises(ValueError, match="pattern='matmul'"):
-    selection.cache_key(1, 2, 3, "bfloat16", 2, "H100", pattern="matmul")
+    selection.cache_key(selection.Problem(1, 2, 3, "bfloat16", 2), "H100",
+                        pattern="matmul")
 
 
 @pytest.mark.parametrize("name", ["wg_dimension", "grid_minor_dim",

@@ -41,12 +41,11 @@ def _backward_verdicts(case):
                    else case["dtype"])
   back = selection.Problem(case["rows"], case["k"], case["n"], dtype,
                            case["axis"]).backward()
-  m, k, n = back.rows, back.k, back.n
   collective = Collective(case["collective"]).transpose
   own = selection.config_for(collective, back, device)[0]
   other = selection.config_for(Collective.ALL_GATHER, back, device)[0]
   too_small = lambda c: selection.too_small_reason(
-      c, m, k, n, case["axis"], device.num_cores) is not None
+      c, back, device.num_cores) is not None
   return too_small(own), too_small(other)
 
 

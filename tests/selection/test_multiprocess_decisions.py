@@ -21,7 +21,8 @@ def _free_port():
 
 
 def _cache_with(path, tile_n):
-  key = selection.cache_key(256, 512, 1024, "bfloat16", 4, device_kind="cpu")
+  key = selection.cache_key(selection.Problem(256, 512, 1024, "bfloat16", 4),
+                            device_kind="cpu")
   config = selection.AllGatherConfig(tile_m=128, tile_n=tile_n)
   path.write_text(json.dumps({key: config.to_json()}))
   return str(path)

@@ -93,16 +93,16 @@ def test_entry(entry):
       else ["all_gather"] + entry["key"].split("|"))
   m, k, n = map(int, shape.split("x"))
   axis_size = int(d.removeprefix("D="))
-  assert selection.cache_key(m, k, n, dtype, axis_size, kind,
-                             pattern) == entry["key"]
-  config = selection.packaged_config(m, k, n, dtype, axis_size, kind,
-                                     pattern=pattern)
+  problem = selection.Problem(m, k, n, dtype, axis_size)
+  assert selection.cache_key(problem, kind, pattern) == entry["key"]
+  config = selection.packaged_config(problem, kind, pattern=pattern)
   assert type(config) is {  # pylint: disable=unidiomatic-typecheck
       "all_gather": configs.AllGatherConfig,
       "reduce_scatter": configs.ReduceScatterConfig}[pattern]
   assert config.to_json() == {**type(config)().to_json(), **entry["config"]}
-  assert selection.fit_shared_memory(config, dtype) == config
-  assert selection.fit_shared_memory(config, dtype, np.float32) is not None
+  assert config.fit_shared_memory(*problem.itemsizes) == config
+  itemsize = np.dtype(dtype).itemsize
+  assert config.fit_shared_memory(itemsize, 4) is not None  # float32 out.
   source = entry["source"]
   assert source.startswith("benchmarks/"), source
   assert os.path.isfile(os.path.join(REPO, source)), source
@@ -155,7 +155,7 @@ def test_cache_beats_table_beats_heuristic(monkeypatch, pattern):
   assert _source(problem, pattern) == selection.HEURISTIC == "heuristic"
   measured = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 5)
   tuned = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 7)
-  key = selection.cache_key(*problem, KIND, pattern=pattern)
+  key = selection.cache_key(selection.Problem(*problem), KIND, pattern=pattern)
   _with_table(monkeypatch, {key: measured})
   assert select(*problem, H200) == measured
   assert _source(problem, pattern) == selection.PACKAGED_TABLE == (
@@ -168,7 +168,8 @@ def test_cache_beats_table_beats_heuristic(monkeypatch, pattern):
   assert _source(problem, other_kernel) == "heuristic"
   assert _source(problem, pattern, device=selection.device_facts()) == (
       "heuristic")  # This CPU.
-  selection.store_cached_config(tuned, *problem[:5], KIND, pattern=pattern)
+  selection.store_cached_config(tuned, selection.Problem(*problem), KIND,
+                                pattern=pattern)
   assert select(*problem, H200) == tuned
   assert _source(problem, pattern) == selection.AUTOTUNE_CACHE == (
       "autotune cache")
@@ -180,22 +181,23 @@ def test_a_table_entry_that_does_not_fit_falls_through(monkeypatch):
   # 8 stages of 256 x 256 CTA tiles with k 128: 1 MiB of pipeline.
   huge = configs.AllGatherConfig(tile_m=128, tile_n=256, tile_k=128,
                                  wg_dimension="m", max_concurrent_steps=8)
-  assert selection.fit_shared_memory(huge, "bfloat16") is None
-  _with_table(monkeypatch, {selection.cache_key(*problem, KIND): huge})
+  assert huge.fit_shared_memory(2, 2) is None  # bf16
+  key = selection.cache_key(selection.Problem(*problem), KIND)
+  _with_table(monkeypatch, {key: huge})
   assert selection.select_config(*problem, H200) == heuristic
   assert _source(problem) == "heuristic"
 
 
 def test_a_fitting_table_entry_loses_stages_for_a_float32_output(monkeypatch):
   problem = (1024, 4096, 4096, "bfloat16", 2)
-  key = selection.cache_key(*problem, KIND, pattern="reduce_scatter")
+  key = selection.cache_key(selection.Problem(*problem), KIND,
+                            pattern="reduce_scatter")
   _with_table(monkeypatch, {})
   entry = selection.select_reduce_scatter_config(*problem, H200)
   _with_table(monkeypatch, {key: entry})
   assert selection.select_reduce_scatter_config(*problem, H200) == entry
   assert selection.select_reduce_scatter_config(
-      *problem, H200, out_dtype=np.float32) == selection.fit_shared_memory(
-          entry, "bfloat16", np.float32)
+      *problem, H200, out_dtype=np.float32) == entry.fit_shared_memory(2, 4)
   assert _source(problem, "reduce_scatter", np.float32) == "packaged table"
 
 
@@ -207,10 +209,12 @@ def test_the_table_is_read_in_a_multi_process_program_and_the_cache_not(
   tuned = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 7)
   other = (2048, 4096, 4096, "bfloat16", 2)
   heuristic_other = selection.select_config(*other, H200)
-  selection.store_cached_config(tuned, *problem, KIND)
+  selection.store_cached_config(tuned, selection.Problem(*problem), KIND)
   selection.store_cached_config(
-      dataclasses.replace(heuristic_other, send_gap=1), *other, KIND)
-  _with_table(monkeypatch, {selection.cache_key(*problem, KIND): measured})
+      dataclasses.replace(heuristic_other, send_gap=1),
+      selection.Problem(*other), KIND)
+  key = selection.cache_key(selection.Problem(*problem), KIND)
+  _with_table(monkeypatch, {key: measured})
   # One process: cache.
   assert selection.select_config(*problem, H200) == tuned
   monkeypatch.setattr(jax, "process_count", lambda: 2)

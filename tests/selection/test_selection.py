@@ -51,8 +51,8 @@ def test_select_config_fits_shared_memory_for_float32_output():
     for dtype in ("bfloat16", "float16"):
       for axis_size in (1, 2, 8):
         applies = selection.unsupported_reason(
-            selection.DeviceFacts("gpu", "NVIDIA H100", 132), dtype, m, k, n,
-            axis_size, out_dtype="float32") is None
+            selection.Problem(m, k, n, dtype, axis_size, "float32"),
+            selection.DeviceFacts("gpu", "NVIDIA H100", 132)) is None
         assert applies
         config = selection.select_config(m, k, n, dtype, axis_size,
                                       out_dtype="float32")
@@ -67,17 +67,18 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
     for dtype in ("bfloat16", "float16"):
       # The all-gather's heuristic tiles, unless all ring steps' tiles run
       # in one wave and 128-row tiles fill more SMs per step.
-      base = heuristics._tiles(m, k, n, dtype, 2, 132, out_dtype)  # pylint: disable=protected-access
+      problem = selection.Problem(m, k, n, dtype, 2, out_dtype)
+      base = heuristics._tiles(problem, 132)  # pylint: disable=protected-access
       config = selection.select_reduce_scatter_config(m, k, n, dtype, 2,
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
       assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
       if (config.tile_m, config.tile_n, config.wg_dimension) != (
           base.tile_m, base.tile_n, base.wg_dimension):
-        assert 2 * selection.tiles_per_step(base, m, n) <= 132
+        assert 2 * selection.tiles_per_step(base, problem) <= 132
         assert config.cta_tile_m >= 128
-        assert (selection.tiles_per_step(config, m, n)
-                > selection.tiles_per_step(base, m, n))
+        assert (selection.tiles_per_step(config, problem)
+                > selection.tiles_per_step(base, problem))
       if config != configs.ReduceScatterConfig(**base.tile_fields()):
         # Whole warpgroup tile in the two slots, >= 3 stages left.
         assert 2 * config.epi_tile_m * config.epi_tile_n == (
@@ -121,10 +122,11 @@ OK = dict(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
           dtype="bfloat16", m=1024, k=1024, n=1024, axis_size=8)
 
 
-def _unsupported_reason(platform, device_kind, out_dtype=None, **problem):
+def _unsupported_reason(platform, device_kind, dtype, m, k, n, axis_size,
+                        out_dtype=None):
   return selection.unsupported_reason(
-      selection.DeviceFacts(platform, device_kind, 132), **problem,
-      out_dtype=out_dtype)
+      selection.Problem(m, k, n, dtype, axis_size, out_dtype),
+      selection.DeviceFacts(platform, device_kind, 132))
 
 
 @pytest.mark.parametrize("changes", [
@@ -158,27 +160,28 @@ def test_unsupported_reason_names_the_offender(changes, offender):
 def test_cache_roundtrip(_private_cache):
   config = Config(tile_m=64, tile_n=128, send_gap=4, spread_sends=False)
   assert selection.cache_path() == str(_private_cache)
-  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
-                                   "NVIDIA H100") is None
-  path = selection.store_cached_config(config, 256, 512, 1024, "bfloat16", 8,
-                                    "NVIDIA H100")
+  problem = selection.Problem(256, 512, 1024, "bfloat16", 8)
+  assert selection.load_cached_config(problem, "NVIDIA H100") is None
+  path = selection.store_cached_config(config, problem, "NVIDIA H100")
   assert path == str(_private_cache) and _private_cache.exists()
-  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
-                                   "NVIDIA H100") == config
+  assert selection.load_cached_config(problem, "NVIDIA H100") == config
   # Any other key misses.
-  for other in ((256, 512, 1024, "float16", 8, "NVIDIA H100"),
-                (256, 512, 1024, "bfloat16", 4, "NVIDIA H100"),
-                (256, 512, 2048, "bfloat16", 8, "NVIDIA H100"),
-                (256, 512, 1024, "bfloat16", 8, "NVIDIA H200")):
-    assert selection.load_cached_config(*other) is None, other
+  for *other, kind in ((256, 512, 1024, "float16", 8, "NVIDIA H100"),
+                       (256, 512, 1024, "bfloat16", 4, "NVIDIA H100"),
+                       (256, 512, 2048, "bfloat16", 8, "NVIDIA H100"),
+                       (256, 512, 1024, "bfloat16", 8, "NVIDIA H200")):
+    assert selection.load_cached_config(selection.Problem(*other),
+                                        kind) is None, other
 
 
 def test_cache_keeps_earlier_entries(_private_cache):
   first, second = Config(tile_m=64), Config(tile_n=64, send_gap=2)
-  selection.store_cached_config(first, 1, 2, 3, "bfloat16", 2, "H100")
-  selection.store_cached_config(second, 4, 5, 6, "bfloat16", 2, "H100")
-  assert selection.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") == first
-  assert selection.load_cached_config(4, 5, 6, "bfloat16", 2, "H100") == second
+  one = selection.Problem(1, 2, 3, "bfloat16", 2)
+  two = selection.Problem(4, 5, 6, "bfloat16", 2)
+  selection.store_cached_config(first, one, "H100")
+  selection.store_cached_config(second, two, "H100")
+  assert selection.load_cached_config(one, "H100") == first
+  assert selection.load_cached_config(two, "H100") == second
   table = json.loads(_private_cache.read_text())
   assert len(table) == 2
 
@@ -190,8 +193,8 @@ def test_select_config_prefers_cached_entry():
   tuned = dataclasses.replace(
       heuristic, send_gap=heuristic.send_gap + 3,
       max_concurrent_steps=heuristic.max_concurrent_steps - 1)
-  selection.store_cached_config(tuned, m, k, n, "bfloat16", 4,
-                                H200.device_kind)
+  selection.store_cached_config(tuned, selection.Problem(m, k, n, "bfloat16",
+                                                        4), H200.device_kind)
   assert selection.select_config(m, k, n, "bfloat16", 4, H200) == tuned
   assert selection.select_config(m, k, n, "bfloat16", 2, H200) == heuristic_d2
   # Keyed by the device kind: another device's selection does not take it.
@@ -205,25 +208,27 @@ def test_cache_entries_of_the_two_kernels_never_mix(_private_cache):
   heuristic_rs = selection.select_reduce_scatter_config(m, k, n, "bfloat16", 2,
                                                         H200)
   tuned_ag = Config(tile_m=64, tile_n=64, send_gap=8)
-  selection.store_cached_config(tuned_ag, m, k, n, "bfloat16", 2, kind)
+  problem = selection.Problem(m, k, n, "bfloat16", 2)
+  selection.store_cached_config(tuned_ag, problem, kind)
   assert selection.select_config(m, k, n, "bfloat16", 2, H200) == tuned_ag
   # The all-gather kernel's entry is not the reduce-scatter kernel's.
   assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
                                                 2, H200) == heuristic_rs
   tuned_rs = dataclasses.replace(heuristic_rs, send_gap=16)
-  selection.store_cached_config(tuned_rs, m, k, n, "bfloat16", 2, kind,
+  selection.store_cached_config(tuned_rs, problem, kind,
                                 pattern="reduce_scatter")
   assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
                                                 2, H200) == tuned_rs
   assert selection.select_config(m, k, n, "bfloat16", 2, H200) == tuned_ag
   with pytest.raises(ValueError, match="pattern"):
-    selection.cache_key(m, k, n, "bfloat16", 2, "H100", pattern="matmul")
+    selection.cache_key(problem, "H100", pattern="matmul")
 
 
 def test_corrupt_cache_is_ignored(_private_cache):
   _private_cache.parent.mkdir(parents=True)
   _private_cache.write_text("{not json")
-  assert selection.load_cached_config(1, 2, 3, "bfloat16", 2, "H100") is None
+  assert selection.load_cached_config(selection.Problem(1, 2, 3, "bfloat16",
+                                                        2), "H100") is None
 
 
 # ------------------------------------------------------------ autotune candidates
@@ -232,8 +237,8 @@ def test_corrupt_cache_is_ignored(_private_cache):
 def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
   from collective_matmul import autotuning
   chosen = selection.select_reduce_scatter_config(*shape, "bfloat16", 2)
-  candidates = list(autotuning.candidate_configs("reduce_scatter", *shape,
-                                                 dtype="bfloat16"))
+  candidates = list(autotuning.candidate_configs(
+      "reduce_scatter", selection.Problem(*shape, "bfloat16", 2)))
   assert chosen in candidates
   assert len(set(candidates)) == len(candidates)
   assert {c.send_pieces for c in candidates} == {1, 2, 4}
@@ -267,8 +272,8 @@ def test_all_gather_candidates_for_a_shape_start_with_its_default(shape):
   grid), then the grid, without duplicates."""
   from collective_matmul import autotuning
   grid = list(autotuning.candidate_configs("all_gather"))
-  candidates = list(autotuning.candidate_configs("all_gather", *shape,
-                                                 dtype="bfloat16"))
+  candidates = list(autotuning.candidate_configs(
+      "all_gather", selection.Problem(*shape, "bfloat16", 2)))
   default = selection.heuristic_config(
       Collective.ALL_GATHER,
       selection.Problem(*shape, np.dtype(jnp.bfloat16), 2),
@@ -284,18 +289,18 @@ def test_autotune_candidates_reject_an_unknown_pattern():
   from collective_matmul import autotuning
   with pytest.raises(ValueError, match="pattern"):
     list(autotuning.candidate_configs("all_reduce"))
-  with pytest.raises(ValueError, match="m, k and n"):
+  with pytest.raises(ValueError, match="need the problem"):
     list(autotuning.candidate_configs("reduce_scatter"))
 
 
 
 def test_a_cache_entry_this_version_cannot_read_is_a_miss(_private_cache):
   _private_cache.parent.mkdir(parents=True, exist_ok=True)
-  key = selection.cache_key(256, 512, 1024, "bfloat16", 8, device_kind="H200")
+  problem = selection.Problem(256, 512, 1024, "bfloat16", 8)
+  key = selection.cache_key(problem, device_kind="H200")
   _private_cache.write_text(json.dumps({key: {"tile_m": 128,
                                               "retired_field": 3}}))
-  assert selection.load_cached_config(256, 512, 1024, "bfloat16", 8,
-                                   device_kind="H200") is None
+  assert selection.load_cached_config(problem, device_kind="H200") is None
 
 
 # ------------------------------------------------- autotuning's narrow catch
@@ -324,8 +329,9 @@ def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with pytest.raises(Exception) as info:
-    autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
-                        configs=[Config()], iterations=1, store=False)
+    autotuning.autotune(selection.Problem(128, 256, 128, jnp.bfloat16, 2),
+                        mesh, "x", configs=[Config()], iterations=1,
+                        store=False)
   assert "no candidate ran" not in str(info.value)
 
 
@@ -348,9 +354,10 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   configs = [Config(send_gap=gap) for gap in (8, 12, 16, 24)]
+  problem = selection.Problem(128, 256, 128, jnp.bfloat16, 2)
   best, results = autotuning.autotune(
-      128, 256, 128, jnp.bfloat16, mesh, "x", configs=configs, iterations=1,
-      store=False, rounds=3, finalists=3)
+      problem, mesh, "x", configs=configs, iterations=1, store=False,
+      rounds=3, finalists=3)
   assert best == configs[0]
   assert [results[repr(c)] for c in configs] == [10.0, 13.0, 11.0, 20.0]
   assert len(calls) == 10
@@ -358,12 +365,15 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
   assert calls[4] is calls[1] and calls[5] is calls[0]
   # Without rounds, the single best reading wins.
   readings = iter([10.0, 9.0, 11.0, 20.0])
-  best, _ = autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
-                                configs=configs, iterations=1, store=False)
+  best, _ = autotuning.autotune(problem, mesh, "x", configs=configs,
+                                iterations=1, store=False)
   assert best == configs[1]
   with pytest.raises(ValueError, match="rounds=0"):
-    autotuning.autotune(128, 256, 128, jnp.bfloat16, mesh, "x",
-                        configs=configs, store=False, rounds=0)
+    autotuning.autotune(problem, mesh, "x", configs=configs, store=False,
+                        rounds=0)
+  with pytest.raises(ValueError, match="axis size 4"):
+    autotuning.autotune(problem._replace(axis_size=4), mesh, "x",
+                        configs=configs, store=False)
 
 
 @pytest.mark.parametrize("m,k,n,d,senders,cta", [
@@ -419,7 +429,8 @@ def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
   assert config.sender_sms == senders
   assert (config.cta_tile_m, config.cta_tile_n) == cta
   # K-major where a ring step is one wave; by rows over several waves.
-  one_wave = selection.tiles_per_step(config, m, n) <= 132 - senders
+  one_wave = selection.tiles_per_step(
+      config, selection.Problem(m, k, n, "bfloat16", d)) <= 132 - senders
   assert config.k_major_sends == (senders > 0 and one_wave)
 
 
@@ -477,7 +488,7 @@ def _too_small_reason(collective, m, k, n, d, dtype="bfloat16",
   device = device or selection.device_facts()
   problem = selection.Problem(m, k, n, np.dtype(jnp.dtype(dtype)), d)
   config, _ = selection.config_for(collective, problem, device)
-  return selection.too_small_reason(config, m, k, n, d, device.num_cores)
+  return selection.too_small_reason(config, problem, device.num_cores)
 
 
 @pytest.mark.parametrize("m,k,n", [

@@ -14,8 +14,8 @@ from collective_matmul.enums import Collective
 from collective_matmul.selection import tuned
 
 H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
-SHAPE = (1024, 4096, 4096, jnp.bfloat16, 2)
-KEY = selection.cache_key(*SHAPE, H200.device_kind)
+PROBLEM = selection.Problem(1024, 4096, 4096, jnp.bfloat16, 2)
+KEY = selection.cache_key(PROBLEM, H200.device_kind)
 GOOD = selection.AllGatherConfig(tile_m=128, tile_n=128).to_json()
 
 
@@ -72,13 +72,13 @@ def test_a_damaged_entry_is_a_logged_miss(cache, warnings, name):
   entry, why = DAMAGED_ENTRIES[name]
   cache.write_text(json.dumps({KEY: entry}))
   start = time.monotonic()
-  assert selection.load_cached_config(*SHAPE, H200.device_kind) is None
+  assert selection.load_cached_config(PROBLEM, H200.device_kind) is None
   assert time.monotonic() - start < 1
   assert len(warnings) == 1 and why in warnings[0], warnings
   assert KEY in warnings[0]
   # The decision falls back to the packaged table or the heuristics.
   config, source = selection.config_for(
-      Collective.ALL_GATHER, selection.Problem(*SHAPE), H200)
+      Collective.ALL_GATHER, PROBLEM, H200)
   assert source != selection.AUTOTUNE_CACHE and config is not None
 
 
@@ -96,11 +96,11 @@ def test_a_damaged_file_is_a_logged_miss_and_stored_over(cache, warnings,
   content, why = DAMAGED_FILES[name]
   (cache.write_bytes if isinstance(content, bytes) else cache.write_text)(
       content)
-  assert selection.load_cached_config(*SHAPE, H200.device_kind) is None
+  assert selection.load_cached_config(PROBLEM, H200.device_kind) is None
   assert len(warnings) == 1 and why in warnings[0], warnings
   config = selection.AllGatherConfig(tile_m=64, tile_n=128)
-  selection.store_cached_config(config, *SHAPE, H200.device_kind)
-  assert selection.load_cached_config(*SHAPE, H200.device_kind) == config
+  selection.store_cached_config(config, PROBLEM, H200.device_kind)
+  assert selection.load_cached_config(PROBLEM, H200.device_kind) == config
   aside = list(cache.parent.glob("tuning.json.damaged-*"))
   assert len(aside) == 1 and aside[0].read_bytes() == (
       content if isinstance(content, bytes) else content.encode())
@@ -122,7 +122,7 @@ def test_an_entry_at_the_bounds_is_read(cache, warnings):
                  grid_tile_width=tuned.FIELD_LIMITS["grid_tile_width"])
   cache.write_text(json.dumps({KEY: entry}))
   assert selection.load_cached_config(
-      *SHAPE, H200.device_kind) == selection.AllGatherConfig(**entry)
+      PROBLEM, H200.device_kind) == selection.AllGatherConfig(**entry)
   assert not warnings
 
 
@@ -132,7 +132,7 @@ def test_an_entry_too_large_for_shared_memory_is_a_logged_miss(
   entry = _entry(tile_m=side, tile_n=side, max_concurrent_steps=2)
   cache.write_text(json.dumps({KEY: entry}))
   config, source = selection.config_for(
-      Collective.ALL_GATHER, selection.Problem(*SHAPE), H200)
+      Collective.ALL_GATHER, PROBLEM, H200)
   assert source != selection.AUTOTUNE_CACHE and config is not None
   assert len(warnings) == 1 and "shared memory" in warnings[0], warnings
   assert KEY in warnings[0]
@@ -141,14 +141,14 @@ def test_an_entry_too_large_for_shared_memory_is_a_logged_miss(
 def test_each_miss_is_logged_once(cache, warnings):
   cache.write_text(json.dumps({KEY: _entry(tile_m=128.0)}))
   for _ in range(3):
-    selection.load_cached_config(*SHAPE, H200.device_kind)
+    selection.load_cached_config(PROBLEM, H200.device_kind)
   assert len(warnings) == 1
 
 
 def test_a_good_entry_is_read(cache, warnings):
   cache.write_text(json.dumps({KEY: GOOD}))
   assert selection.load_cached_config(
-      *SHAPE, H200.device_kind) == selection.AllGatherConfig(**GOOD)
+      PROBLEM, H200.device_kind) == selection.AllGatherConfig(**GOOD)
   assert not warnings
 
 
@@ -165,5 +165,5 @@ def test_an_entry_with_the_later_fields_is_read(cache, warnings):
                  cluster_dimension=None)
   cache.write_text(json.dumps({KEY: entry}))
   assert selection.load_cached_config(
-      *SHAPE, H200.device_kind) == selection.AllGatherConfig(**entry)
+      PROBLEM, H200.device_kind) == selection.AllGatherConfig(**entry)
   assert not warnings

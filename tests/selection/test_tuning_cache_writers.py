@@ -27,7 +27,8 @@ _WRITER = textwrap.dedent("""
       time.sleep(0.005)
     for m, gap in entries:
       config = selection.AllGatherConfig(send_gap=gap)
-      selection.store_cached_config(config, m, 512, 1024, "bfloat16", 2, "H200")
+      selection.store_cached_config(
+          config, selection.Problem(m, 512, 1024, "bfloat16", 2), "H200")
       with open(selection.cache_path()) as f:
         assert isinstance(json.load(f), dict)
 """)
@@ -68,7 +69,8 @@ def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch, rng):
   assert len(table) == writers * count
   for entries in per_writer:
     for m, gap in entries:
-      assert selection.load_cached_config(m, 512, 1024, "bfloat16", 2, "H200") == (
+      problem = selection.Problem(m, 512, 1024, "bfloat16", 2)
+      assert selection.load_cached_config(problem, "H200") == (
           selection.AllGatherConfig(send_gap=gap))
   # No temporary file is left beside the cache.
   assert {p.name for p in cache.parent.iterdir()} <= {

@@ -236,13 +236,14 @@ def test_autotune_plans_every_candidate_of_the_sweep(pattern):
   against."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
   autotune = import_script("autotune")
   plan = _plan()
   args = argparse.Namespace(shapes=["512/1024/512"], pattern=pattern,
                             dtype="f16")
   calls = autotune.plan_calls(args, 4)
-  expected = list(autotuning.candidate_configs(pattern, 512, 1024, 512,
-                                               jnp.float16, 4))
+  expected = list(autotuning.candidate_configs(
+      pattern, selection.Problem(512, 1024, 512, jnp.float16, 4)))
   ours = [c for c in calls if isinstance(c, plan.Call)]
   assert [c.config for c in ours] == expected and len(expected) > 5
   assert {(c.devices, c.dtype) for c in calls} == {(4, jnp.float16)}

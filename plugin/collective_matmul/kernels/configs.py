@@ -218,6 +218,16 @@ class TileConfig:
                 * out_itemsize)
     return pipeline + epilogue + SMEM_RESERVE
 
+  def fit_shared_memory(self, itemsize: int, out_itemsize: int):
+    """This config with as many pipeline stages (at most its own) as fit a
+    block's shared memory with operands and results of these element sizes
+    (bytes), or None where not even 2 stages fit."""
+    for stages in range(self.max_concurrent_steps, 1, -1):
+      fitted = dataclasses.replace(self, max_concurrent_steps=stages)
+      if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
+        return fitted
+    return None
+
   def tile_fields(self) -> dict[str, Any]:
     """The `TileConfig` fields of this config (to build another kernel's)."""
     return {f.name: getattr(self, f.name)

@@ -2,6 +2,7 @@
 
 The layer between the kernels and the ops, one module per role:
 
+* `problem`: the per-shard problem (`Problem`) every rule takes whole;
 * `device`: the machine's facts (`DeviceFacts`), read once per decision;
 * `applicability`: whether the kernels may run and whether they pay off,
   for given facts and a given config (never picking one);
@@ -37,7 +38,6 @@ from collective_matmul.selection.decide import CALLER
 from collective_matmul.selection.decide import HEURISTIC
 from collective_matmul.selection.decide import KernelPlan
 from collective_matmul.selection.decide import Options
-from collective_matmul.selection.decide import Problem
 from collective_matmul.selection.decide import choose
 from collective_matmul.selection.decide import config_for
 from collective_matmul.selection.decide import config_label
@@ -45,9 +45,9 @@ from collective_matmul.selection.decide import heuristic_config
 from collective_matmul.selection.device import DeviceFacts
 from collective_matmul.selection.device import HOPPER_DEVICE_KINDS
 from collective_matmul.selection.device import device_facts
+from collective_matmul.selection.problem import Problem
 from collective_matmul.selection.heuristics import SENDER_SMS
 from collective_matmul.selection.heuristics import SENDER_WIDE_TILE_K
-from collective_matmul.selection.heuristics import fit_shared_memory
 from collective_matmul.selection.heuristics import tile_candidates
 from collective_matmul.selection.heuristics import wide_sender_tiles
 from collective_matmul.selection.tuned import AUTOTUNE_CACHE
@@ -67,8 +67,8 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
                   device: DeviceFacts | None = None,
                   out_dtype=None) -> AllGatherConfig:
   """The all-gather kernel's config for local shards `m x k` and `k x n` on
-  `device` (default: the default backend's): `config_for`'s, without its
-  source."""
+  `device` (default: the default backend's): `config_for`'s of that
+  `Problem`, without its source."""
   problem = Problem(m, k, n, dtype, axis_size, out_dtype)
   return config_for(Collective.ALL_GATHER, problem,
                     device or device_facts())[0]
@@ -93,7 +93,7 @@ __all__ = [
     "command_buffer_reason", "process_layout_reason",
     "prepare_xla_for_kernels", "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
-    "fit_shared_memory", "wide_sender_tiles",
+    "wide_sender_tiles",
     "AUTOTUNE_CACHE", "PACKAGED_TABLE", "CACHE_PATTERNS",
     "TUNED_CONFIGS_FILE", "cache_path", "cache_key", "load_cached_config",
     "store_cached_config", "parse_tuned_configs", "packaged_table",

@@ -17,26 +17,25 @@ import numpy as np
 from collective_matmul.kernels import configs
 from collective_matmul.kernels.schedule import padding
 from collective_matmul.selection.device import DeviceFacts
+from collective_matmul.selection.problem import Problem
 
 
-def unsupported_reason(device: DeviceFacts, dtype, m: int, k: int, n: int,
-                       axis_size: int, out_dtype=None) -> str | None:
-  """Why the Hopper kernels cannot serve this problem, or None if they can.
-
-  m, k, n: the per-shard rows, contraction and columns.
-  """
+def unsupported_reason(problem: Problem, device: DeviceFacts) -> str | None:
+  """Why the Hopper kernels cannot serve `problem` on `device`, or None if
+  they can."""
   if device.platform not in ("gpu", "cuda"):
     return f"backend is {device.platform!r}, the kernel needs a CUDA GPU"
   if not device.is_hopper:
     return f"device {device.device_kind!r} is not a Hopper (sm_90a) GPU"
-  reason = (fp8_dispatch_reason(dtype)
-            or configs.dtype_reason(dtype, out_dtype))
+  reason = (fp8_dispatch_reason(problem.dtype)
+            or configs.dtype_reason(problem.dtype, problem.out_dtype))
   if reason is not None:
     return reason
-  if min(m, k, n) <= 0:
-    return f"empty problem m={m} k={k} n={n}"
-  if axis_size < 1:
-    return f"axis size {axis_size}"
+  if min(problem.rows, problem.k, problem.n) <= 0:
+    return (f"empty problem m={problem.rows} k={problem.k} "
+            f"n={problem.n}")
+  if problem.axis_size < 1:
+    return f"axis size {problem.axis_size}"
   return None
 
 
@@ -79,7 +78,8 @@ def command_buffer_reason(platform: str,
           f"{COMMAND_BUFFER_FLAG} to use them")
 
 
-def process_layout_reason(axis_size: int, device: DeviceFacts) -> str | None:
+def process_layout_reason(problem: Problem,
+                          device: DeviceFacts) -> str | None:
   """Why the ring's devices cannot run the kernels as the program's
   processes own them, or None.
 
@@ -88,6 +88,7 @@ def process_layout_reason(axis_size: int, device: DeviceFacts) -> str | None:
   2.28.9 (`unhandled system error` at the first step; BUILD.md). One
   process owning every device of the ring works.
   """
+  axis_size = problem.axis_size
   if device.process_count > 1 and device.local_device_count < axis_size:
     return (f"the ring over {axis_size} devices spans several processes "
             f"({device.process_count} processes of "
@@ -119,9 +120,10 @@ class SmallBox(NamedTuple):
   k_range: tuple[int, int]
   min_n: int
 
-  def holds(self, m: int, k: int, n: int) -> bool:
+  def holds(self, problem: Problem) -> bool:
     low, high = self.k_range
-    return m >= self.min_rows and low <= k <= high and n >= self.min_n
+    return (problem.rows >= self.min_rows and low <= problem.k <= high
+            and problem.n >= self.min_n)
 
   def __str__(self):
     low, high = self.k_range
@@ -136,30 +138,32 @@ SMALL_BOXES = (SmallBox(128, (2048, 8192), 2048),
                SmallBox(256, (1024, 14336), 1024))
 
 
-def tiles_per_step(config: configs.TileConfig, m: int, n: int) -> int:
-  """Output tiles of `config` in one ring step of an m x n per-shard
-  result."""
+def tiles_per_step(config: configs.TileConfig, problem: Problem) -> int:
+  """Output tiles of `config` in one ring step of `problem`'s per-shard
+  result (rows x n)."""
+  m, n = problem.rows, problem.n
   pad = padding(config, m, 0, n)
   return ((m + pad.m) // config.cta_tile_m) * ((n + pad.n) // config.cta_tile_n)
 
 
-def too_small_reason(config: configs.TileConfig, m: int, k: int, n: int,
-                     axis_size: int, num_sms: int) -> str | None:
-  """Why overlapping does not pay for this problem run with `config`, or
-  None if it does.
+def too_small_reason(config: configs.TileConfig, problem: Problem,
+                     num_sms: int) -> str | None:
+  """Why overlapping does not pay for `problem` run with `config`, or None
+  if it does.
 
-  `m` is the per-shard rows (before the all-gather, after the
-  reduce-scatter), `k` the local contraction. When one ring step has too
-  few output tiles to keep half the SMs busy, each step's tiles wait on
-  the previous step's data with the GPU mostly idle, and an NCCL collective
-  with one cuBLAS GEMM is faster; except at D = 2 inside `SMALL_BOXES`.
+  When one ring step has too few output tiles to keep half the SMs busy,
+  each step's tiles wait on the previous step's data with the GPU mostly
+  idle, and an NCCL collective with one cuBLAS GEMM is faster; except at
+  D = 2 inside `SMALL_BOXES`.
   """
-  per_step = tiles_per_step(config, m, n)
+  per_step = tiles_per_step(config, problem)
+  axis_size = problem.axis_size
   if axis_size == 1 or per_step >= num_sms / 2:
     return None
-  if axis_size == 2 and any(box.holds(m, k, n) for box in SMALL_BOXES):
+  if axis_size == 2 and any(box.holds(problem) for box in SMALL_BOXES):
     return None
   where = ("; at D = 2 measured faster "
            + " or ".join(map(str, SMALL_BOXES)) if axis_size == 2 else "")
   return (f"only {per_step} output tiles per ring step for {num_sms} SMs "
-          f"(local {m}x{k}x{n}{where}): the collective + GEMM is faster")
+          f"(local {problem.rows}x{problem.k}x{problem.n}{where}): the "
+          "collective + GEMM is faster")

@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax.numpy as jnp
-import numpy as np
-
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 from collective_matmul.kernels.configs import TileConfig
@@ -21,33 +18,10 @@ from collective_matmul.selection import applicability
 from collective_matmul.selection import heuristics
 from collective_matmul.selection import tuned
 from collective_matmul.selection.device import DeviceFacts
+from collective_matmul.selection.problem import Problem
 
 HEURISTIC = "heuristic"
 CALLER = "caller"  # A config given explicitly to the op.
-
-
-class Problem(NamedTuple):
-  """The per-shard 2-D problem a kernel sees.
-
-  rows: the activation shard's rows (before the all-gather, after the
-  reduce-scatter); k: the local contraction; n: the local output columns;
-  dtype: the operands'; out_dtype: the result's, None for the operands'.
-  """
-
-  rows: int
-  k: int
-  n: int
-  dtype: np.dtype
-  axis_size: int
-  out_dtype: np.dtype | None = None
-
-  def backward(self) -> Problem:
-    """The backward's problem (dx of the other collective): the cotangent
-    (this result's dtype, widened to meet the weight's) times w.T, written
-    in the operands' dtype."""
-    dtype = jnp.promote_types(self.out_dtype or self.dtype, self.dtype)
-    return Problem(self.rows, self.n, self.k, np.dtype(dtype),
-                   self.axis_size, np.dtype(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +134,7 @@ def config_for(collective: Collective, problem: Problem, device: DeviceFacts
   """`collective`'s kernel config for `problem` on `device`, with its
   source: the autotune cache (single-process programs), the packaged table,
   else the heuristics."""
-  m, k, n, dtype, axis_size, out_dtype = problem
-  found = tuned.measured_config(collective, m, k, n, dtype, axis_size,
-                                device.device_kind, out_dtype,
-                                heuristics.fit_shared_memory)
+  found = tuned.measured_config(collective, problem, device.device_kind)
   if found is not None:
     return found
   return heuristic_config(collective, problem, device), HEURISTIC
@@ -175,8 +146,7 @@ def heuristic_config(collective: Collective, problem: Problem,
   whatever is measured."""
   pick = (heuristics.all_gather_config if collective == Collective.ALL_GATHER
           else heuristics.reduce_scatter_config)
-  m, k, n, dtype, axis_size, out_dtype = problem
-  return pick(m, k, n, dtype, axis_size, device.num_cores, out_dtype)
+  return pick(problem, device.num_cores)
 
 
 class _Verdict(NamedTuple):
@@ -194,14 +164,12 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
             ) -> tuple[_Verdict | None, TileConfig | None, str]:
   """(why not the kernel or None, its config, the config's source) for
   `collective` on `problem`; `config`: the caller's, else chosen here."""
-  m, k, n, dtype, axis_size, out_dtype = problem
-  reason = applicability.unsupported_reason(device, dtype, m, k, n,
-                                            axis_size, out_dtype)
+  reason = applicability.unsupported_reason(problem, device)
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", options.fallback_impl,
                      True), None, "")
   reason = (applicability.command_buffer_reason(device.platform) or
-            applicability.process_layout_reason(axis_size, device))
+            applicability.process_layout_reason(problem, device))
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
             None, "")
@@ -213,8 +181,7 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
     config, source = config_for(collective, problem, device)
   else:
     source = CALLER
-  small = applicability.too_small_reason(config, m, k, n, axis_size,
-                                         device.num_cores)
+  small = applicability.too_small_reason(config, problem, device.num_cores)
   if small is not None:
     return _Verdict(small, Impl.BASELINE, False), config, source
   return None, config, source

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import ReduceScatterConfig
-from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
 from collective_matmul.kernels.schedule import padding
 from collective_matmul.selection.applicability import tiles_per_step
+from collective_matmul.selection.problem import Problem
 
 
 def tile_candidates():
@@ -27,49 +25,38 @@ def tile_candidates():
                           epi_tile_m=64, epi_tile_n=64)
 
 
-def fit_shared_memory(config: TileConfig, dtype, out_dtype=None):
-  """`config` with as many pipeline stages (<= its own) as fit, or None."""
-  itemsize = np.dtype(dtype).itemsize
-  out_itemsize = np.dtype(out_dtype or dtype).itemsize
-  for stages in range(config.max_concurrent_steps, 1, -1):
-    fitted = dataclasses.replace(config, max_concurrent_steps=stages)
-    if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
-      return fitted
-  return None
-
-
-def _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype) -> AllGatherConfig:
+def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
   """The largest CTA tile that needs the least padding and still gives at
   least half the SMs work across the ring, with as many pipeline stages as
   fit."""
+  m, k, n = problem.rows, problem.k, problem.n
+
   def score(cfg: AllGatherConfig):
     pad = padding(cfg, m, k, n)
     waste = ((m + pad.m) * (n + pad.n)) / (m * n) - 1
-    tiles = axis_size * tiles_per_step(cfg, m, n)
+    tiles = problem.axis_size * tiles_per_step(cfg, problem)
     underfill = max(0.0, 1 - tiles / (num_sms / 2))
     area = cfg.cta_tile_m * cfg.cta_tile_n
     return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
 
-  fitting = [c for c in (fit_shared_memory(c, dtype, out_dtype)
+  fitting = [c for c in (c.fit_shared_memory(*problem.itemsizes)
                          for c in tile_candidates()) if c is not None]
   return min(fitting, key=score)
 
 
-def all_gather_config(m: int, k: int, n: int, dtype, axis_size: int,
-                      num_sms: int, out_dtype=None) -> AllGatherConfig:
-  """The all-gather kernel's heuristic config for local shards `m x k` and
-  `k x n`: `_tiles`, then dedicated senders (`_sender_config`) and chained
-  tiles (`_chained`) where they help."""
-  base = _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype)
-  config = _sender_config(base, m, k, n, dtype, axis_size, num_sms,
-                          out_dtype) or base
-  return _chained(config, k, n, axis_size)
+def all_gather_config(problem: Problem, num_sms: int) -> AllGatherConfig:
+  """The all-gather kernel's heuristic config for `problem` (local shards
+  rows x k and k x n): `_tiles`, then dedicated senders (`_sender_config`)
+  and chained tiles (`_chained`) where they help."""
+  base = _tiles(problem, num_sms)
+  config = _sender_config(base, problem, num_sms) or base
+  return _chained(config, problem)
 
 
-def reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
-                          num_sms: int, out_dtype=None) -> ReduceScatterConfig:
+def reduce_scatter_config(problem: Problem,
+                          num_sms: int) -> ReduceScatterConfig:
   """The reduce-scatter kernel's heuristic config: `_tiles` with the
-  epilogue and send pacing that kernel wants (m: rows after the scatter).
+  epilogue and send pacing that kernel wants (rows: after the scatter).
 
   Its epilogue stores each tile's partial sum to the next device. With the
   whole warpgroup tile in two epilogue slots (epi tile = half the tile) an
@@ -84,21 +71,20 @@ def reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
   keep each remote store short; over several waves, and at D > 2, 2 pieces
   12 apart.
   """
-  tiles = _tiles(m, k, n, dtype, axis_size, num_sms, out_dtype)
-  if _steps_in_one_wave(tiles, m, n, axis_size, num_sms):
+  tiles = _tiles(problem, num_sms)
+  if _steps_in_one_wave(tiles, problem, num_sms):
     # Smaller tiles, so a step's partial sums move while the next computes.
-    tiles = _one_round_tiles(tiles, m, n, dtype, out_dtype,
-                             num_sms) or tiles
+    tiles = _one_round_tiles(tiles, problem, num_sms) or tiles
   base = ReduceScatterConfig(**tiles.tile_fields())
   if base.tile_m % 2 or (base.tile_m // 2) % 64:
     return base
-  one_wave = tiles_per_step(base, m, n) <= num_sms
-  pieces, gap = (4, 6) if axis_size == 2 and one_wave else (2, 12)
-  wide = fit_shared_memory(
-      dataclasses.replace(base, epi_tile_m=base.tile_m // 2,
-                          epi_tile_n=base.tile_n, send_gap=gap,
-                          send_pieces=pieces),
-      dtype, out_dtype)
+  one_wave = tiles_per_step(base, problem) <= num_sms
+  pieces, gap = ((4, 6) if problem.axis_size == 2 and one_wave
+                 else (2, 12))
+  wide = dataclasses.replace(
+      base, epi_tile_m=base.tile_m // 2, epi_tile_n=base.tile_n,
+      send_gap=gap, send_pieces=pieces).fit_shared_memory(
+          *problem.itemsizes)
   if wide is None or wide.max_concurrent_steps < 3:
     return base
   return wide
@@ -110,7 +96,7 @@ def reduce_scatter_config(m: int, k: int, n: int, dtype, axis_size: int,
 CHAIN_EAGER_MAX_N = 4096
 
 
-def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
+def _chained(config: AllGatherConfig, problem: Problem) -> AllGatherConfig:
   """`config` with a block's tiles on one pipeline (`chain_tiles`) at D = 2,
   so the next tile's first k blocks load during this one's last steps and
   epilogue:
@@ -125,12 +111,13 @@ def _chained(config: AllGatherConfig, k, n, axis_size) -> AllGatherConfig:
   Not with k-major senders: each SM runs one tile per ring step there, so
   there is no next tile to start early.
   """
-  if axis_size != 2:
+  if problem.axis_size != 2:
     return config
   if config.sender_sms and not config.k_major_sends:
     return dataclasses.replace(config, chain_tiles=True)
+  k = problem.k
   k_iters = (k + padding(config, 0, k, 0).k) // config.tile_k
-  if (not config.sender_sms and n <= CHAIN_EAGER_MAX_N
+  if (not config.sender_sms and problem.n <= CHAIN_EAGER_MAX_N
       and k_iters % config.max_concurrent_steps == 0):
     return dataclasses.replace(config, eager_release=True, chain_tiles=True)
   return config
@@ -159,8 +146,8 @@ SENDER_WIDE_TILE_K = 128
 SENDER_WIDE_MIN_STAGES = 3
 
 
-def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
-                   out_dtype) -> AllGatherConfig | None:
+def _sender_config(base: AllGatherConfig, problem: Problem,
+                   num_sms: int) -> AllGatherConfig | None:
   """The dedicated-sender schedule where it helps, else None.
 
   All ring steps in one wave: the remote tiles would sit idle until sends
@@ -180,67 +167,70 @@ def _sender_config(base: AllGatherConfig, m, k, n, dtype, axis_size, num_sms,
   SMs compute without sends in their k loops. Below that range the transfer
   outlasts a step; above it the senders' SMs are missed.
   """
-  if _steps_in_one_wave(base, m, n, axis_size, num_sms):
-    tiles = _one_round_tiles(base, m, n, dtype, out_dtype,
-                             num_sms - SENDER_SMS)
+  axis_size, n = problem.axis_size, problem.n
+  if _steps_in_one_wave(base, problem, num_sms):
+    tiles = _one_round_tiles(base, problem, num_sms - SENDER_SMS)
     if tiles is None:  # `base` already fills the most SMs it can.
       tiles = base
-    idle = num_sms - axis_size * tiles_per_step(tiles, m, n)
+    idle = num_sms - axis_size * tiles_per_step(tiles, problem)
     if tiles is base and idle < SENDER_SMS:
       # The senders would push tiles into a second wave: no senders.
       return None
     senders = dataclasses.replace(
         tiles, sender_sms=max(SENDER_SMS, min(idle, SENDER_MAX_IDLE_SMS)),
         k_major_sends=True)
-    wide = wide_sender_tiles(senders, dtype, out_dtype)
-    if wide is not None and k % SENDER_WIDE_TILE_K == 0:
+    wide = wide_sender_tiles(senders, *problem.itemsizes)
+    if wide is not None and problem.k % SENDER_WIDE_TILE_K == 0:
       return wide
-    return fit_shared_memory(senders, dtype, out_dtype)
+    return senders.fit_shared_memory(*problem.itemsizes)
   if (axis_size == 2 and n >= SENDER_K_MAJOR_MIN_N
-      and tiles_per_step(base, m, n) <= num_sms - SENDER_SMS):
-    return fit_shared_memory(
-        dataclasses.replace(base, sender_sms=SENDER_SMS, k_major_sends=True),
-        dtype, out_dtype)
+      and tiles_per_step(base, problem) <= num_sms - SENDER_SMS):
+    return dataclasses.replace(
+        base, sender_sms=SENDER_SMS,
+        k_major_sends=True).fit_shared_memory(*problem.itemsizes)
   low, high = SENDER_BALANCED_N
-  if axis_size == 2 and low <= n <= high and m >= SENDER_BALANCED_MIN_M:
-    return fit_shared_memory(dataclasses.replace(base, sender_sms=SENDER_SMS),
-                             dtype, out_dtype)
+  if (axis_size == 2 and low <= n <= high
+      and problem.rows >= SENDER_BALANCED_MIN_M):
+    return dataclasses.replace(
+        base, sender_sms=SENDER_SMS).fit_shared_memory(*problem.itemsizes)
   return None
 
 
-def wide_sender_tiles(config: AllGatherConfig, dtype,
-                      out_dtype=None) -> AllGatherConfig | None:
+def wide_sender_tiles(config: AllGatherConfig, itemsize: int,
+                      out_itemsize: int) -> AllGatherConfig | None:
   """`config` with the k step `SENDER_WIDE_TILE_K`, if at least
-  `SENDER_WIDE_MIN_STAGES` pipeline stages of it fit, else None."""
-  wide = fit_shared_memory(
-      dataclasses.replace(config, tile_k=SENDER_WIDE_TILE_K), dtype,
-      out_dtype)
+  `SENDER_WIDE_MIN_STAGES` pipeline stages of it fit with operands and
+  results of these element sizes (bytes), else None."""
+  wide = dataclasses.replace(
+      config, tile_k=SENDER_WIDE_TILE_K).fit_shared_memory(itemsize,
+                                                           out_itemsize)
   if wide is None or wide.max_concurrent_steps < SENDER_WIDE_MIN_STAGES:
     return None
   return wide
 
 
-def _steps_in_one_wave(config: TileConfig, m, n, axis_size, num_sms) -> bool:
+def _steps_in_one_wave(config: TileConfig, problem: Problem,
+                       num_sms: int) -> bool:
   """At D = 2, whether all ring steps' tiles of `config` run in one wave: a
   remote tile then waits idle for data that its peer produces (the
   all-gather's rows, the reduce-scatter's partial sum) in a tile running at
   the same time."""
-  return axis_size == 2 and axis_size * tiles_per_step(config, m, n) <= (
+  return problem.axis_size == 2 and 2 * tiles_per_step(config, problem) <= (
       num_sms)
 
 
-def _one_round_tiles(base: TileConfig, m, n, dtype, out_dtype,
-                     blocks) -> AllGatherConfig | None:
+def _one_round_tiles(base: TileConfig, problem: Problem,
+                     blocks: int) -> AllGatherConfig | None:
   """The tiles (>= 128 rows) whose ring step fills the most of `blocks` SMs
   (ties in `tile_candidates` order), if that is more tiles per step than
   `base` has, else None: each SM then runs one tile of each step in turn,
   and a step's data moves while the previous step computes."""
-  fitting = [c for c in (fit_shared_memory(t, dtype, out_dtype)
+  fitting = [c for c in (t.fit_shared_memory(*problem.itemsizes)
                          for t in tile_candidates())
              if c is not None and c.cta_tile_m >= 128
-             and tiles_per_step(c, m, n) <= blocks]
+             and tiles_per_step(c, problem) <= blocks]
   if not fitting:
     return None
-  best = max(fitting, key=lambda c: tiles_per_step(c, m, n))
-  more = tiles_per_step(best, m, n) > tiles_per_step(base, m, n)
+  best = max(fitting, key=lambda c: tiles_per_step(c, problem))
+  more = tiles_per_step(best, problem) > tiles_per_step(base, problem)
   return best if more else None

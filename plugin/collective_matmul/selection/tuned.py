@@ -33,6 +33,7 @@ from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
 from collective_matmul.kernels.configs import cluster_reason
+from collective_matmul.selection.problem import Problem
 
 AUTOTUNE_CACHE = "autotune cache"
 PACKAGED_TABLE = "packaged table"
@@ -66,11 +67,13 @@ def cache_path() -> str:
                    "tuning.json"))
 
 
-def cache_key(m, k, n, dtype, axis_size, device_kind: str,
+def cache_key(problem: Problem, device_kind: str,
               pattern=Collective.ALL_GATHER) -> str:
-  """Key of a cache or table entry; the two kernels' entries never mix."""
+  """Key of a cache or table entry for `problem` (its result dtype aside);
+  the two kernels' entries never mix."""
   pattern = Collective.parse(pattern, "pattern")
-  key = f"{device_kind}|{np.dtype(dtype).name}|D={axis_size}|{m}x{k}x{n}"
+  key = (f"{device_kind}|{np.dtype(problem.dtype).name}|"
+         f"D={problem.axis_size}|{problem.rows}x{problem.k}x{problem.n}")
   return (key if pattern == Collective.ALL_GATHER
           else f"{pattern.value}|{key}")
 
@@ -137,7 +140,7 @@ def _read_json(path: str):
     raise ValueError(f"{type(e).__name__}: {e}") from e
 
 
-def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
+def load_cached_config(problem: Problem, device_kind: str, *,
                        pattern=Collective.ALL_GATHER):
   """The autotuned config of this problem for `pattern`'s kernel, or None
   (no file, no entry, an entry this version cannot read, or a program of
@@ -151,7 +154,7 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
               "(each process could choose differently)")
     return None
   pattern = Collective.parse(pattern, "pattern")
-  key = cache_key(m, k, n, dtype, axis_size, device_kind, pattern)
+  key = cache_key(problem, device_kind, pattern)
   try:
     table = _read_json(path)
   except ValueError as e:
@@ -164,7 +167,7 @@ def load_cached_config(m, k, n, dtype, axis_size, device_kind: str, *,
     return None
   try:
     config = config_from_fields(pattern, table[key])
-    reason = cluster_reason(config, axis_size)
+    reason = cluster_reason(config, problem.axis_size)
     if reason:
       raise ValueError(reason)
     return config
@@ -193,11 +196,11 @@ def _table_to_update(path: str) -> dict:
     return {}
 
 
-def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
-                        n, dtype, axis_size, device_kind: str, *,
+def store_cached_config(config: AllGatherConfig | ReduceScatterConfig,
+                        problem: Problem, device_kind: str, *,
                         pattern=None) -> str:
   """Stores `config` as the tuned one of its kernel (`pattern`: None, or
-  the pattern of the config's class) for this problem; returns the path.
+  the pattern of the config's class) for `problem`; returns the path.
 
   A cache file that cannot be read is set aside (`<path>.damaged-<time>`,
   logged) and a new one written, so a sweep's result is never lost to it.
@@ -219,8 +222,7 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig, m, k,
   with open(path + ".lock", "a") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     table = _table_to_update(path)
-    table[cache_key(m, k, n, dtype, axis_size, device_kind,
-                    own)] = config.to_json()
+    table[cache_key(problem, device_kind, own)] = config.to_json()
     fd, temp = tempfile.mkstemp(dir=folder,
                                 prefix=os.path.basename(path) + ".",
                                 suffix=".tmp")
@@ -280,31 +282,30 @@ def packaged_table() -> Mapping[str, TileConfig]:
   return parse_tuned_configs(data)
 
 
-def packaged_config(m, k, n, dtype, axis_size, device_kind: str, *,
+def packaged_config(problem: Problem, device_kind: str, *,
                     pattern=Collective.ALL_GATHER):
-  """The packaged table's measured config of this problem for `pattern`'s
+  """The packaged table's measured config of `problem` for `pattern`'s
   kernel, or None."""
-  return packaged_table().get(cache_key(m, k, n, dtype, axis_size,
-                                        device_kind, pattern))
+  return packaged_table().get(cache_key(problem, device_kind, pattern))
 
 
-def measured_config(collective: Collective, m, k, n, dtype, axis_size,
-                    device_kind: str, out_dtype, fit
-                    ) -> tuple[TileConfig, str] | None:
-  """The first measured config of this problem that fits shared memory
-  (`fit(config, dtype, out_dtype)`), with its source: the autotune cache's,
-  then the packaged table's; else None."""
+def measured_config(collective: Collective, problem: Problem,
+                    device_kind: str) -> tuple[TileConfig, str] | None:
+  """The first measured config of `problem` for `collective`'s kernel,
+  with as many of its pipeline stages as fit shared memory for the
+  problem's dtypes (`TileConfig.fit_shared_memory`), and its source: the
+  autotune cache's, then the packaged table's; else None."""
   for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
                          (PACKAGED_TABLE, packaged_config)):
-    found = lookup(m, k, n, dtype, axis_size, device_kind, pattern=collective)
+    found = lookup(problem, device_kind, pattern=collective)
     if found is None:
       continue
-    fitted = fit(found, dtype, out_dtype)
+    fitted = found.fit_shared_memory(*problem.itemsizes)
     if fitted is not None:
       return fitted, source
-    key = cache_key(m, k, n, dtype, axis_size, device_kind, collective)
-    _log_miss(source, f"entry {key!r}",
+    _log_miss(source, f"entry {cache_key(problem, device_kind, collective)!r}",
               "it needs more shared memory than a block has, with "
-              f"{np.dtype(dtype).name} operands")
+              f"{np.dtype(problem.dtype).name} operands and "
+              f"{np.dtype(problem.out_dtype or problem.dtype).name} results")
   return None
 
