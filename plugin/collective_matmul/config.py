@@ -102,6 +102,12 @@ class CollectiveMatmulConfig:
         self.fallback_impl, "fallback_impl", FALLBACK_IMPLEMENTATIONS))
 
 
+def flag_name(field_name: str) -> str:
+  """The absl flag that sets the `CollectiveMatmulConfig` field
+  `field_name` (its declaration's `metadata["flag"]`)."""
+  return _FIELDS[field_name].metadata["flag"]
+
+
 def option_choices(field: dataclasses.Field) -> tuple[str, ...] | None:
   """The values an enum option takes, or None."""
   if field.name == "impl":
@@ -128,6 +134,10 @@ def options_table() -> str:
   return "\n".join(rows)
 
 
+_FIELDS = {field.name: field
+           for field in dataclasses.fields(CollectiveMatmulConfig)}
+
+
 def excluded_by(cfg: CollectiveMatmulConfig, name: str | None) -> str | None:
   """The `exclude` entry that matches the call named `name`, or None."""
   if not name:
@@ -143,10 +153,19 @@ _OFF = CollectiveMatmulConfig()
 # traced under one configuration is never reused under another.
 _TRACE_KEY = jax.make_user_context(None)
 _default: CollectiveMatmulConfig | None = None  # None: not set in code.
-# Set by `flags`: the parsed absl flags' configuration, or None while absl
-# has not parsed them. Kept as a hook so this module does not import absl.
+# The parsed absl flags' configuration, or None while absl has not parsed
+# them (`set_flag_reader`; this module does not import absl).
 _from_parsed_flags: Callable[[], CollectiveMatmulConfig | None] = (
     lambda: None)
+
+
+def set_flag_reader(
+    reader: Callable[[], CollectiveMatmulConfig | None]) -> None:
+  """Makes `get_config` fall back to `reader()`: the configuration the
+  parsed command-line flags ask for, or None while they are not parsed.
+  `collective_matmul.flags` registers the absl flags' reader on import."""
+  global _from_parsed_flags
+  _from_parsed_flags = reader
 
 
 def get_config() -> CollectiveMatmulConfig:

@@ -118,7 +118,8 @@ def _sharding_in_dot_order(out_sharding, contraction: _Contraction):
 def _einsum(subscripts, operands, *, out, optimize, precision,
             preferred_element_type, out_sharding, lhs_axes, rhs_axes,
             out_axes, axis_rules, name, config):
-  """`jnp.einsum`, with a matched contraction rewritten by `override.collective_dot_general`.
+  """`jnp.einsum`, with a matched contraction rewritten by
+  `override.collective_dot_general`.
 
   `lhs_axes`/`rhs_axes`/`out_axes`: logical names (None: Explicit mode);
   `axis_rules`: Flax rules to resolve them with instead of the active ones.
@@ -166,7 +167,8 @@ def _einsum(subscripts, operands, *, out, optimize, precision,
   lhs, rhs = arrays
   dot_out_axes = out_axes
   if out_axes is not None and len(out_axes) == len(output):
-    # (Of another length: passed as they are, for collective_dot_general to name.)
+    # (Of another length: passed as they are, for collective_dot_general
+    # to name.)
     dot_out_axes = contraction.in_dot_order(out_axes)
   rules = (contextlib.nullcontext() if axis_rules is None else
            _flax().logical_axis_rules(axis_rules))
@@ -324,7 +326,8 @@ def mesh_axes_einsum(lhs_axes: Axes, rhs_axes: Axes, *,
   if out_axes is not None:
     specs["out_axes"] = out_axes
   # Each sharded dimension gets a logical name resolved by one rule to its
-  # mesh axes: `collective_dot_general` reads caller-given sharding as logical names.
+  # mesh axes: `collective_dot_general` reads caller-given sharding as
+  # logical names.
   names, rules = {}, {}
   for what, spec in specs.items():
     names[what] = []

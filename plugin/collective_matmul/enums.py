@@ -1,10 +1,10 @@
 """The plugin's closed vocabularies.
 
 String enums: a member equals its value (`Impl.RING == "ring"`), prints
-(str and repr) as it, and serialises to JSON as it, so flag values, config fields and cache
-keys written as strings keep working. Strings are turned into members once,
-where they enter (the config, the ops, the selection layer's public
-functions), by `parse`, the one place that validates them.
+(str and repr) as it, and serialises to JSON as it, so flag values, config
+fields and cache keys written as strings keep working. Strings are turned
+into members once, where they enter (the config, the ops, the selection
+layer's public functions), by `parse`, the one place that validates them.
 """
 from __future__ import annotations
 

@@ -47,4 +47,4 @@ def _config_if_parsed() -> config_lib.CollectiveMatmulConfig | None:
   return config_from_flags() if flags.FLAGS.is_parsed() else None
 
 
-config_lib._from_parsed_flags = _config_if_parsed  # pylint: disable=protected-access
+config_lib.set_flag_reader(_config_if_parsed)

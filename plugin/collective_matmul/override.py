@@ -452,11 +452,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None,
                                 **kwargs)
 
 
-def logical_dot_general(lhs_axes: Sequence[str | None],
-                        rhs_axes: Sequence[str | None], *,
-                        out_axes: Sequence[str | None] | None = None,
-                        name: str | None = None,
-                        config: config_lib.CollectiveMatmulConfig | None = None):
+def logical_dot_general(
+    lhs_axes: Sequence[str | None], rhs_axes: Sequence[str | None], *,
+    out_axes: Sequence[str | None] | None = None, name: str | None = None,
+    config: config_lib.CollectiveMatmulConfig | None = None):
   """A `dot_general` for Auto-sharded models that name their axes logically.
 
   The operands' mesh axes are resolved from these logical axis names through

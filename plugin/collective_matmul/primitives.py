@@ -266,8 +266,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
       if gathered_ct is None:
         gathered_ct = lax.all_gather(ct_b, static.axis_name,
                                      axis=static.axis, tiled=True)
-      ct_dw = dispatch.contract_leading(res, gathered_ct,
-                                               static.precision)
+      ct_dw = dispatch.contract_leading(res, gathered_ct, static.precision)
   cts = []
   if has_dx:
     cts.append(ct_dx.astype(dx_aval.dtype))

@@ -72,7 +72,8 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
   """`all_gather(x) @ w` as a ring that multiplies while it passes shards on.
 
   Step i on device d multiplies shard (d + i) % D, which it received from
-  device d + 1, while sending it on to device d - 1 (the upstream example's ring). With
+  device d + 1, while sending it on to device d - 1 (the ring of JAX's
+  `jax/experimental/pallas/ops/gpu/collective_matmul_mgpu.py`). With
   `bidirectional` and D > 2 shards travel both ways round, so only
   ceil((D - 1) / 2) communication steps are sequential instead of D - 1.
 

@@ -113,8 +113,8 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   plans = []
 
   def plan_only(a, b):
-    plans.append(ops._plan(Collective.ALL_GATHER, a, b, "x", 0, "pallas",  # pylint: disable=protected-access
-                           None, None, None, None))
+    plans.append(ops._plan(Collective.ALL_GATHER, a, b, "x", "pallas",  # pylint: disable=protected-access
+                           None, None, None, None, None))
     return a
   trace(plan_only)
   (plan,) = plans

@@ -2,7 +2,8 @@
 
     python -m collective_matmul.integrations.maxtext \\
         <maxtext>/configs/base.yml key=value ... \\
-        [--use_collective_matmul] [--collective_matmul_impl=auto|pallas|ring|baseline] \\
+        [--use_collective_matmul] \\
+        [--collective_matmul_impl=auto|pallas|ring|baseline] \\
         [--collective_matmul_strict] [--maxtext_shard_gpu_attention] \\
         [--maxtext_allow_untested_version]
 
@@ -27,6 +28,7 @@ from absl import flags
 import jax
 
 import collective_matmul as cm
+from collective_matmul import config as config_lib
 from collective_matmul.enums import Impl
 from collective_matmul.integrations.maxtext import adapter
 from collective_matmul.integrations.maxtext import attention
@@ -124,23 +126,25 @@ def main(argv: Sequence[str]) -> None:
           "recorded)", file=sys.stderr)
     sys.exit(1)
   print(summary.summary(cm.decisions(), config, version,
-                         attention.enabled()), flush=True)
+                        attention.enabled()), flush=True)
 
 
 def _kernels_may_run(argv: Sequence[str]) -> bool:
   """Whether the command line switches the plugin on with an implementation
   that may pick the Hopper kernels (read before absl parses it: XLA_FLAGS
   must be set before JAX starts its backend)."""
-  on = impl = None
+  enabled, impl = map(config_lib.flag_name, ("enabled", "impl"))
+  on, chosen = False, config_lib.CollectiveMatmulConfig().impl
   for arg in argv[1:]:
     name, _, value = arg.partition("=")
-    if name in ("--use_collective_matmul", "-use_collective_matmul"):
+    name = name.lstrip("-")
+    if name == enabled:
       on = value.lower() not in ("false", "0", "no")
-    elif name in ("--nouse_collective_matmul", "-nouse_collective_matmul"):
+    elif name == f"no{enabled}":
       on = False
-    elif name in ("--collective_matmul_impl", "-collective_matmul_impl"):
-      impl = value
-  return bool(on) and impl in (None, Impl.AUTO, Impl.PALLAS)
+    elif name == impl:
+      chosen = value
+  return on and chosen in (Impl.AUTO, Impl.PALLAS)
 
 
 def run() -> None:
