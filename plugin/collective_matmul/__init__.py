@@ -37,7 +37,7 @@ from collective_matmul.record import StrictFallbackError
 from collective_matmul.record import clear_decisions
 from collective_matmul.record import decisions
 from collective_matmul.record import format_decisions
-from collective_matmul.selection import prepare_xla_for_kernels
+from collective_matmul.xla_flags import prepare_xla_for_kernels
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ LAYERS = [
     {"selection.heuristics"},
     {"selection.decide"},
     {"selection"},
-    {"dispatch", "record"},
+    {"dispatch", "record", "xla_flags"},
     {"primitives"},
     {"ops", "flags"},
     {"autotuning", "override"},

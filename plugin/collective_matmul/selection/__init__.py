@@ -29,7 +29,6 @@ from collective_matmul.enums import Collective
 from collective_matmul.selection.applicability import COMMAND_BUFFER_FLAG
 from collective_matmul.selection.applicability import SMALL_BOXES
 from collective_matmul.selection.applicability import command_buffer_reason
-from collective_matmul.selection.applicability import prepare_xla_for_kernels
 from collective_matmul.selection.applicability import process_layout_reason
 from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.applicability import too_small_reason
@@ -91,7 +90,7 @@ __all__ = [
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
     "COMMAND_BUFFER_FLAG", "SMALL_BOXES", "unsupported_reason",
     "command_buffer_reason", "process_layout_reason",
-    "prepare_xla_for_kernels", "tiles_per_step", "too_small_reason",
+    "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",
     "AUTOTUNE_CACHE", "PACKAGED_TABLE", "CACHE_PATTERNS",

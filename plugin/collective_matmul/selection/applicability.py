@@ -97,21 +97,6 @@ def process_layout_reason(problem: Problem,
   return None
 
 
-def prepare_xla_for_kernels() -> bool:
-  """Switches XLA's command buffers off (XLA_FLAGS), so the Hopper kernels
-  may run (see `command_buffer_reason`). Call before JAX starts its GPU
-  backend; an explicit `--xla_gpu_enable_command_buffer=...` in XLA_FLAGS
-  is left as it is.
-
-  Returns:
-    Whether XLA_FLAGS now switches command buffers off.
-  """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if COMMAND_BUFFER_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}".strip()
-  return command_buffer_reason("gpu") is None
-
-
 class SmallBox(NamedTuple):
   """Per-shard problems (rows, local contraction k, local columns n) where
   overlapping pays at D = 2 although a ring step has few tiles."""
