@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from collective_matmul.enums import MatmulDimension
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import TileConfig
@@ -19,8 +20,9 @@ from collective_matmul.selection.problem import Problem
 
 def tile_candidates():
   """The tile shapes the heuristic (and autotuning) choose from."""
-  for tile_m, tile_n, wg in ((128, 128, "n"), (128, 128, "m"),
-                             (128, 64, "n"), (64, 128, "n"), (64, 64, "n")):
+  m, n = MatmulDimension.M, MatmulDimension.N
+  for tile_m, tile_n, wg in ((128, 128, n), (128, 128, m), (128, 64, n),
+                             (64, 128, n), (64, 64, n)):
     yield AllGatherConfig(tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
                           epi_tile_m=64, epi_tile_n=64)
 
@@ -37,7 +39,8 @@ def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
     tiles = problem.axis_size * tiles_per_step(cfg, problem)
     underfill = max(0.0, 1 - tiles / (num_sms / 2))
     area = cfg.cta_tile_m * cfg.cta_tile_n
-    return (round(waste + underfill, 3), -area, cfg.wg_dimension != "n")
+    return (round(waste + underfill, 3), -area,
+            cfg.wg_dimension != MatmulDimension.N)
 
   fitting = [c for c in (c.fit_shared_memory(*problem.itemsizes)
                          for c in tile_candidates()) if c is not None]
