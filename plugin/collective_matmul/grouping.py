@@ -28,6 +28,11 @@ from collective_matmul import record
 from collective_matmul.enums import Collective
 
 
+# Why siblings run alone while the configuration switches grouping off.
+GROUPING_OFF = ("grouping is switched off "
+                f"(--{config_lib.flag_name('group_siblings')})")
+
+
 class GroupMember(NamedTuple):
   """One projection of the shared activation.
 
@@ -89,8 +94,7 @@ def grouped_logical_dot_general(lhs, members: Sequence[GroupMember | tuple],
   if not cfg.enabled or len(members) < 2:
     return [alone(m) for m in members]
   if not cfg.group_siblings:
-    why = "grouping is switched off (--collective_matmul_group_siblings)"
-    return [alone(m, why) for m in members]
+    return [alone(m, GROUPING_OFF) for m in members]
   calls = [override.plan_call(
       lhs, m.kernel, dimension_numbers, precision, preferred_element_type,
       lhs_axes=lhs_axes, rhs_axes=m.kernel_axes, name=m.name, cfg=cfg,

@@ -121,9 +121,9 @@ def main(argv: Sequence[str]) -> None:
           "MaxText's traceback)", file=sys.stderr)
     sys.exit(2)
   except cm.StrictFallbackError as e:
-    print(f"{_PROGRAM}: {str(e).splitlines()[0]} (--collective_matmul_strict "
-          "refuses a fallback; without it the projection falls back as "
-          "recorded)", file=sys.stderr)
+    print(f"{_PROGRAM}: {str(e).splitlines()[0]} "
+          f"(--{config_lib.flag_name('strict')} refuses a fallback; without "
+          "it the projection falls back as recorded)", file=sys.stderr)
     sys.exit(1)
   print(summary.summary(cm.decisions(), config, version,
                         attention.enabled()), flush=True)

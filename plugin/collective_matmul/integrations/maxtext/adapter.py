@@ -447,7 +447,7 @@ def _run_sibling_group(owner, dense, siblings, call: _Captured):
   collective matmul, the later siblings' results kept in `owner`; or (None,
   why not)."""
   if not config_lib.get_config().group_siblings:
-    return None, "grouping is switched off (--collective_matmul_group_siblings)"
+    return None, grouping.GROUPING_OFF
   if owner.kind == "attention" and not owner.self_attention:
     return None, ("query and key/value project different arrays (not "
                   "self-attention, or a shared key/value)")

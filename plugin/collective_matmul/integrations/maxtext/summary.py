@@ -67,7 +67,8 @@ def summary(records: Sequence[record_lib.Decision],
                  f"{'on' if attention_on else 'off'}"))
   if not config.enabled:
     return "\n".join([head, settings, "  MaxText ran its own projections "
-                      "(--use_collective_matmul switches the plugin on)"])
+                      f"(--{config_lib.flag_name('enabled')} switches the "
+                      "plugin on)"])
   # The last decision for each projection (a program traced again, e.g. an
   # eval step, decides the same way).
   latest: dict[str, record_lib.Decision] = {}
