@@ -12,10 +12,19 @@ shape, and is timed against
              or B (cluster along m) through TMA multicast.
 So `ours_ag / cublas` is what the GEMM core costs before any communication,
 and the cluster rows say whether multicast would buy anything at the shape.
+The fp8 arms (unless `--skip-fp8`) time the same GEMM on fp8 operands, the
+weight K-major (`[N, K]` e4m3) and a per-tensor f32 scale, bf16 results:
+  cublas_fp8     XLA's dot on e4m3 x e4m3 times the scale, as Flax's
+                 `fp8_ops` runs it (cuBLASLt's fp8 GEMM),
+  cublas_fp8_rs  the same on e5m2 x e4m3 (a gradient times a weight),
+  ours_fp8       the all-gather kernel's fp8 core (e4m3 x e4m3),
+  ours_fp8_rs    the reduce-scatter kernel's fp8 core (e5m2 x e4m3),
+each of ours at its bf16 config with `tile_k` 128 (`fp8_core_configs`).
 `--variant NAME=JSON` adds `ours_NAME`: the all-gather core config with the
 JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
-name starting `rs_` the reduce-scatter's, to see which tiling choice costs
-what. With `--rounds R` every method of a shape is timed
+name starting `rs_` the reduce-scatter's, `fp8_` the all-gather's fp8
+core's, `rs_fp8_` the reduce-scatter's fp8 core's, to see which tiling
+choice costs what. With `--rounds R` every method of a shape is timed
 R times round-robin and the median is reported (clocks drift between
 back-to-back readings). With `--plan` nothing runs on a GPU: every call the same arguments would
 time (cuBLAS, our kernels, upstream's matmul) is traced on a CPU device, and lowered for CUDA where
@@ -54,6 +63,7 @@ import tool_setup  # pylint: disable=g-bad-import-order
 tool_setup.prepare()  # CPU devices for --plan; packages from the checkout.
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -69,6 +79,11 @@ import warpgroup_trace  # pylint: disable=g-bad-import-order
 # q/k/v, fused q/k/v, wi, the attention output and the MLP output.
 SHAPES = ["16384/4096/2048", "16384/4096/6144", "16384/4096/5504",
           "16384/2048/4096", "16384/5504/4096", "2048/4096/4096"]
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# The fp8 arms' per-tensor scales (lhs, rhs): their product is the scale.
+FP8_SCALES = (0.75, 1.25)
+# Mixed fp8 wgmma operands (e5m2 x e4m3): JAX 0.10's wgmma takes one dtype.
+MIXED_FP8_JAX = (0, 11)
 
 
 def rel_error(out, ref):
@@ -132,6 +147,8 @@ def our_configs(big_m, k, n, variants, device=None):
   out = [("ours_ag", kernels.all_gather_lhs_matmul, ag_core, ag),
          ("ours_rs", kernels.matmul_reduce_scatter, rs, rs)]
   for name, fields in variants:
+    if is_fp8_variant(name):
+      continue  # `fp8_core_configs`'.
     kernel, base = ((kernels.matmul_reduce_scatter, rs)
                     if name.startswith("rs_") else
                     (kernels.all_gather_lhs_matmul, ag_core))
@@ -141,6 +158,71 @@ def our_configs(big_m, k, n, variants, device=None):
       cfg = e
     out.append((f"ours_{name}", kernel, cfg, cfg))
   return out
+
+
+def is_fp8_variant(name):
+  return name.startswith(("fp8_", "rs_fp8_"))
+
+
+def fp8_core_configs(big_m, k, n, variants, device=None):
+  """[(name, kernel, config, lhs dtype, kwargs)] of our fp8 cores a shape
+  times: the all-gather's ("ours_fp8", e4m3 x e4m3) and the
+  reduce-scatter's ("ours_fp8_rs", e5m2 x e4m3), each the bf16 core's
+  config with `tile_k` 128 (the same shared memory per stage), the weight
+  K-major; then each fp8_* / rs_fp8_* --variant on top of those. A variant
+  whose fields do not apply has its error in place of the config."""
+  base = {name: (kernel, dataclasses.replace(cfg, tile_k=128))
+          for name, kernel, cfg, _ in our_configs(big_m, k, n, [], device)}
+  ag = (kernels.all_gather_lhs_matmul, base["ours_ag"][1], E4M3,
+        dict(rhs_layout="nk"))
+  rs = (kernels.matmul_reduce_scatter, base["ours_rs"][1], E5M2,
+        dict(w_layout="nk"))
+  out = [("ours_fp8", *ag), ("ours_fp8_rs", *rs)]
+  for name, fields in variants:
+    if not is_fp8_variant(name):
+      continue
+    kernel, cfg, lhs_dtype, kw = rs if name.startswith("rs_") else ag
+    try:
+      cfg = dataclasses.replace(cfg, **fields)
+    except (TypeError, ValueError) as e:
+      cfg = e
+    out.append((f"ours_{name}", kernel, cfg, lhs_dtype, kw))
+  return out
+
+
+def fp8_kernel_fn(kernel, cfg, kw):
+  """Our fp8 core `kernel(lhs, rhs_nk, scale)` on the current mesh's one
+  device (no ring)."""
+  return jax.jit(jax.shard_map(
+      lambda a, b, s: kernel(a, b, axis_name="x", config=cfg, scale=s, **kw),
+      in_specs=(P(), P(), P()), out_specs=P(), check_vma=False))
+
+
+def cublas_fp8_matmul():
+  """The cuBLAS fp8 arm, as Flax's `fp8_ops` computes a product: XLA's dot
+  of the fp8 operands (lhs `[M, K]`, rhs `[N, K]`) to bf16, times the
+  scale (cuBLASLt's fp8 GEMM, the scale in its epilogue)."""
+  def f(a, b_nk, scale):
+    out = lax.dot_general(a, b_nk, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.bfloat16)
+    return out * scale.astype(jnp.bfloat16)
+  return jax.jit(f)
+
+
+def fp8_arms(big_m, k, n, args, device=None):
+  """[(name, fn, config, lhs dtype)] of every fp8 arm a shape times, each
+  `fn(lhs, rhs_nk, scale)`; none with `--skip-fp8`. `config` is an
+  exception where a variant's fields do not apply."""
+  if args.skip_fp8:
+    return []
+  arms = [("cublas_fp8", cublas_fp8_matmul(), None, E4M3),
+          ("cublas_fp8_rs", cublas_fp8_matmul(), None, E5M2)]
+  for name, kernel, cfg, lhs_dtype, kw in fp8_core_configs(
+      big_m, k, n, args.variant, device):
+    fn = None if isinstance(cfg, Exception) else fp8_kernel_fn(kernel, cfg,
+                                                               kw)
+    arms.append((name, fn, cfg, lhs_dtype))
+  return arms
 
 
 def cublas_matmul():
@@ -196,6 +278,36 @@ def plan_calls(args):
     calls += [bench_plan.FnCall(f"{shape} {name}", fn, config=cfg,
                                 gpu_facts=(hm,), **operands)
               for name, fn, cfg in arms]
+    calls += plan_fp8_calls(shape, args, device)
+  return calls
+
+
+def plan_fp8_calls(shape, args, device):
+  """The fp8 arms of one shape as `bench_plan` checks them (our cores
+  traced under `trace_warpgroups` too with --trace-dir)."""
+  big_m, k, n = map(int, shape.split("/"))
+  calls = []
+  for name, fn, cfg, lhs_dtype in fp8_arms(big_m, k, n, args, device):
+    label = f"{shape} {name}"
+    # Our kernels' wgmma mixes fp8 types from JAX 0.11 on (XLA's dot: any).
+    needs = MIXED_FP8_JAX if lhs_dtype != E4M3 and cfg is not None else None
+    if isinstance(cfg, Exception):
+      calls.append(bench_plan.Broken(label, 1,
+                                     f"{type(cfg).__name__}: {cfg}"))
+      continue
+    operands = dict(shapes=[(big_m, k), (n, k), ()],
+                    in_specs=[P(), P(), P()], devices=1,
+                    dtype=(lhs_dtype, E4M3, jnp.float32), needs_jax=needs)
+    if cfg is None:
+      calls.append(bench_plan.FnCall(label, fn, **operands))
+      continue
+    kernel = (kernels.matmul_reduce_scatter if lhs_dtype == E5M2 else
+              kernels.all_gather_lhs_matmul)
+    kw = dict(w_layout="nk") if lhs_dtype == E5M2 else dict(rhs_layout="nk")
+    calls.append(bench_plan.Call(
+        label, kernel, cfg, out_spec=P(), kwargs=kw, operand_names=("scale",),
+        trace_ranges=trace_ranges(cfg, big_m, n, 132)
+        if args.trace_dir else None, **operands))
   return calls
 
 
@@ -211,23 +323,24 @@ def bench(shape, args):
   ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
   row = {"shape": shape, "flops": 2 * big_m * k * n}
 
-  timed = {}  # name -> f, for the further rounds
-  ours = {}  # name -> (kernel, config), for --trace-dir
+  timed = {}  # name -> (f, operands), for the further rounds
+  ours = {}  # name -> (kernel, config, operands, reference, kwargs)
 
-  def run(name, f, cfg=None):
+  def run(name, f, cfg=None, operands=(a, b), reference=ref):
     try:
       poison(big_m * n * 4)
-      out, t, names = kernel_time_us(f, a, b, iterations=args.iterations)
+      out, t, names = kernel_time_us(f, *operands,
+                                     iterations=args.iterations)
     except Exception as e:  # A config that does not fit is reported.
       print(f"{shape} {name} failed: {type(e).__name__}: {str(e)[:300]}",
             flush=True)
       row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
       return
-    err = rel_error(out, ref)
+    err = rel_error(out, reference)
     row[f"{name}_us"], row[f"{name}_rel_err"] = t, err
     row[f"{name}_rounds_us"] = [t]
     row[f"{name}_kernels"] = names
-    timed[name] = f
+    timed[name] = (f, operands)
     if cfg is not None:
       row[f"{name}_config"] = cfg
     if not err < 2e-2:
@@ -243,15 +356,17 @@ def bench(shape, args):
         row[f"{name}_error"] = f"{type(cfg).__name__}: {cfg}"
         print(f"{shape} {name}: {cfg}", flush=True)
         continue
-      ours[name] = (kernel, cfg)
+      ours[name] = (kernel, cfg, (a, b), ref, {})
       run(name, shmap(functools.partial(kernel, axis_name="x", config=cfg)),
           dataclasses.asdict(record))
   for name, f, cfg in upstream_arms(big_m, k, n, args.skip_upstream):
     run(name, f, str(cfg))
+  if not args.skip_fp8:
+    bench_fp8(row, run, ours, mesh, big_m, k, n, args)
   for _ in range(args.rounds - 1):
-    for name, f in timed.items():
+    for name, (f, operands) in timed.items():
       with jax.set_mesh(mesh):
-        _, t, _ = kernel_time_us(f, a, b, iterations=args.iterations)
+        _, t, _ = kernel_time_us(f, *operands, iterations=args.iterations)
       row[f"{name}_rounds_us"].append(t)
   for name in timed:
     row[f"{name}_us"] = statistics.median(row[f"{name}_rounds_us"])
@@ -259,9 +374,10 @@ def bench(shape, args):
     print(f"{shape:>18} medians over {args.rounds} rounds: " + ", ".join(
         f"{name} {row[name + '_us']:.1f}" for name in timed), flush=True)
   if args.power_seconds:
-    for name, f in timed.items():
+    for name, (f, operands) in timed.items():
       with jax.set_mesh(mesh):
-        clock = gpu_clocks.sustained(lambda f=f: f(a, b), args.power_seconds)
+        clock = gpu_clocks.sustained(lambda f=f, x=operands: f(*x),
+                                     args.power_seconds)
       if clock:
         clock["tensor_share"] = round(gpu_clocks.tensor_share(
             row["flops"], row[f"{name}_us"], clock["sm_mhz"],
@@ -272,10 +388,50 @@ def bench(shape, args):
               f"({clock['reasons']})", flush=True)
       row[f"{name}_clock"] = clock
   if args.trace_dir:
-    for name, (kernel, cfg) in ours.items():
+    for name, (kernel, cfg, operands, reference, kw) in ours.items():
       if name in timed:
-        trace(row, name, kernel, cfg, a, b, ref, mesh, args)
+        trace(row, name, kernel, cfg, operands, reference, mesh, args, kw)
   return row
+
+
+def bench_fp8(row, run, ours, mesh, big_m, k, n, args):
+  """The fp8 arms of one shape (`fp8_arms`), each checked against an f32
+  product of the same fp8 values, times the scale."""
+  dev = jax.devices()[0]
+  key = jax.random.key(3)
+  draw = lambda i, shape, dtype: jax.device_put(jax.random.normal(
+      jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype), dev)
+  lhs = {E4M3: draw(0, (big_m, k), E4M3), E5M2: draw(1, (big_m, k), E5M2)}
+  rhs_nk = draw(2, (n, k), E4M3)
+  scale = jnp.float32(FP8_SCALES[0] * FP8_SCALES[1])
+  refs = {}
+
+  def reference(lhs_dtype):
+    """The f32 product on the GPU, at full f32 precision."""
+    if lhs_dtype not in refs:
+      refs[lhs_dtype] = np.asarray(jnp.dot(
+          lhs[lhs_dtype].astype(jnp.float32), rhs_nk.astype(jnp.float32).T,
+          precision=lax.Precision.HIGHEST) * scale)
+    return refs[lhs_dtype]
+
+  with jax.set_mesh(mesh):
+    arms = fp8_arms(big_m, k, n, args)
+  for name, fn, cfg, lhs_dtype in arms:
+    if isinstance(cfg, Exception):
+      row[f"{name}_error"] = f"{type(cfg).__name__}: {cfg}"
+      print(f"{row['shape']} {name}: {cfg}", flush=True)
+      continue
+    operands = (lhs[lhs_dtype], rhs_nk, scale)
+    if cfg is not None:
+      kw = dict(rhs_layout="nk") if lhs_dtype == E4M3 else dict(
+          w_layout="nk")
+      kernel = (kernels.all_gather_lhs_matmul if lhs_dtype == E4M3 else
+                kernels.matmul_reduce_scatter)
+      ours[name] = (kernel, cfg, operands, reference(lhs_dtype),
+                    dict(kw, scale=scale))
+    with jax.set_mesh(mesh):
+      run(name, fn, None if cfg is None else dataclasses.asdict(cfg),
+          operands, reference(lhs_dtype))
 
 
 def trace_ranges(cfg, big_m, n, num_sms):
@@ -285,23 +441,24 @@ def trace_ranges(cfg, big_m, n, num_sms):
   return 2 * math.ceil(tiles / num_sms) + 4
 
 
-def trace(row, name, kernel, cfg, a, b, ref, mesh, args):
-  """Runs `kernel` once more under `trace_warpgroups`; keeps its trace in
-  --trace-dir, its summary in the row, and checks its result too."""
-  big_m, n = a.shape[0], b.shape[1]
+def trace(row, name, kernel, cfg, operands, ref, mesh, args, kw):
+  """Runs `kernel(*operands, **kw)` once more under `trace_warpgroups`;
+  keeps its trace in --trace-dir, its summary in the row, and checks its
+  result too."""
+  big_m, n = ref.shape
   ranges = trace_ranges(cfg, big_m, n, jax.devices()[0].core_count)
   dest = os.path.join(args.trace_dir,
                       f"{row['shape'].replace('/', 'x')}_{name}.json")
 
   def build():
     return jax.jit(jax.shard_map(
-        functools.partial(kernel, axis_name="x", config=cfg),
+        functools.partial(kernel, axis_name="x", config=cfg, **kw),
         in_specs=(P(), P()), out_specs=P(), check_vma=False))
 
   try:
     poison(big_m * n * 4)
     out, summary = warpgroup_trace.run_traced(
-        build, (a, b), ranges, dest, mesh=mesh,
+        build, operands[:2], ranges, dest, mesh=mesh,
         warmup_calls=args.trace_warmups)
   except Exception as e:  # Reported: e.g. no room for the trace.
     row[f"{name}_trace_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -331,6 +488,9 @@ def main():
                       "ours_NAME (repeatable)")
   parser.add_argument("--skip-upstream", action="store_true",
                       help="do not time JAX's hopper matmul")
+  parser.add_argument("--skip-fp8", action="store_true",
+                      help="do not time the fp8 arms (cuBLASLt's fp8 GEMM "
+                      "and our kernels' fp8 cores)")
   parser.add_argument("--trace-warmups", type=int, default=1,
                       help="with --trace-dir: calls run (their traces "
                       "dropped) before the traced one kept")
@@ -374,7 +534,8 @@ def main():
     rows.append(bench(shape, args))
     with open(args.out, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  names = ["ours_ag", "ours_rs"] + [f"ours_{v}" for v, _ in args.variant]
+  names = ["ours_ag", "ours_rs"] + [f"ours_{v}" for v, _ in args.variant
+                                    if not is_fp8_variant(v)]
   if not args.skip_upstream:
     names += ["upstream_none", "upstream_m", "upstream_n"]
   print("\n| M/K/N | cuBLAS us | " + " | ".join(f"{x} / cuBLAS" for x in names)
@@ -385,6 +546,34 @@ def main():
     cells = [f"{r[x + '_us'] / base:.3f}" if base and x + "_us" in r else "-"
              for x in names]
     print(f"| {r['shape']} | {base or 0:.1f} | " + " | ".join(cells) + " |")
+  if not args.skip_fp8:
+    print_fp8_table(rows, [f"ours_{v}" for v, _ in args.variant
+                           if is_fp8_variant(v)])
+
+
+def print_fp8_table(rows, variants):
+  """The fp8 arms against cuBLASLt's fp8 GEMM and against our bf16 core,
+  with geomeans."""
+  ratios = [("ours_fp8", "cublas_fp8"), ("ours_fp8_rs", "cublas_fp8"),
+            ("ours_fp8_rs", "cublas_fp8_rs"), ("ours_fp8", "ours_ag"),
+            ("cublas_fp8", "cublas")] + [(v, "cublas_fp8") for v in variants]
+  print("\n| M/K/N | cuBLAS fp8 us | " + " | ".join(
+      f"{x} / {y}" for x, y in ratios) + " |")
+  print("|---" * (len(ratios) + 2) + "|")
+  columns = [[] for _ in ratios]
+  for r in rows:
+    cells = []
+    for (x, y), column in zip(ratios, columns):
+      if r.get(x + "_us") and r.get(y + "_us"):
+        column.append(r[x + "_us"] / r[y + "_us"])
+        cells.append(f"{column[-1]:.3f}")
+      else:
+        cells.append("-")
+    print(f"| {r['shape']} | {r.get('cublas_fp8_us', 0):.1f} | "
+          + " | ".join(cells) + " |")
+  print("| geomean | | " + " | ".join(
+      f"{math.exp(statistics.mean(map(math.log, c))):.3f}" if c else "-"
+      for c in columns) + " |")
 
 
 if __name__ == "__main__":

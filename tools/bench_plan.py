@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 # JAX 0.10's Mosaic GPU fails layout inference off GPU for every kernel;
 # 0.12 lowers them (tests/kernels/test_kernel_lowering.py).
-LOWERS_OFF_GPU = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (
-    0, 12)
+JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+LOWERS_OFF_GPU = JAX_VERSION >= (0, 12)
 
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -56,8 +56,12 @@ def parse_shape(text: str):
 class Call:
   """One kernel call of a planned run: `kernel(a, b, axis_name="x",
   config=config, **kwargs)` in `shard_map` over D devices, operands of
-  `shapes` (global) sharded by `in_specs`. `trace_ranges`: the ranges
-  per warpgroup the run would trace it with (None: not traced)."""
+  `shapes` (global) sharded by `in_specs`, of `dtype` (one for all, or
+  one per operand); operands past the first two are passed as the keyword
+  arguments `operand_names` (e.g. an fp8 product's `scale`).
+  `trace_ranges`: the ranges per warpgroup the run would trace it with
+  (None: not traced). `needs_jax`: the oldest JAX (major, minor) that can
+  trace it (an older one reports it skipped, not failed)."""
   label: str
   kernel: Callable[..., Any]
   config: Any
@@ -68,6 +72,8 @@ class Call:
   dtype: Any = jnp.bfloat16
   kwargs: dict = dataclasses.field(default_factory=dict)
   trace_ranges: int | None = None
+  operand_names: Sequence[str] = ()
+  needs_jax: tuple[int, int] | None = None
 
 
 def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
@@ -90,10 +96,10 @@ def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
 
 @dataclasses.dataclass(frozen=True)
 class FnCall:
-  """Any other arm of a planned run: `fn(a, b)` as the run times it (the
-  script's own builder; jitted or not), jitted under a mesh of D CPU
-  devices, operands of `shapes` (global) sharded by `in_specs`. `config`
-  is only printed. `gpu_facts`: modules that read the device's facts
+  """Any other arm of a planned run: `fn(*operands)` as the run times it
+  (the script's own builder; jitted or not), jitted under a mesh of D CPU
+  devices, operands of `shapes` (global) sharded by `in_specs`, of `dtype`
+  (one for all, or one per operand). `config` is only printed. `gpu_facts`: modules that read the device's facts
   while tracing (upstream's kernels read the SM count and the device
   count from `jax.devices()`); while the call is checked they see those of
   a host of D GPUs of `num_sms` SMs (`gpu_facts`)."""
@@ -106,6 +112,7 @@ class FnCall:
   config: Any = None
   gpu_facts: Sequence[types.ModuleType] = ()
   num_sms: int = 132
+  needs_jax: tuple[int, int] | None = None
 
 
 class _GpuDevice:
@@ -207,12 +214,21 @@ def cpu_mesh(d: int):
                        axis_types=(jax.sharding.AxisType.Explicit,))
 
 
+def _operands(call: Call | FnCall, mesh):
+  """The call's operands as abstract values on `mesh`."""
+  dtypes = (call.dtype if isinstance(call.dtype, (tuple, list))
+            else [call.dtype] * len(call.shapes))
+  return [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec))
+          for s, dtype, spec in zip(call.shapes, dtypes, call.in_specs)]
+
+
 def _traced(call: Call, mesh):
-  args = [jax.ShapeDtypeStruct(s, call.dtype,
-                               sharding=NamedSharding(mesh, spec))
-          for s, spec in zip(call.shapes, call.in_specs)]
-  fn = lambda a, b: call.kernel(a, b, axis_name="x", config=call.config,
-                                **call.kwargs)
+  args = _operands(call, mesh)
+
+  def fn(a, b, *rest):
+    return call.kernel(a, b, axis_name="x", config=call.config,
+                       **call.kwargs, **dict(zip(call.operand_names, rest)))
+
   with jax.set_mesh(mesh):
     return jax.jit(jax.shard_map(fn, in_specs=tuple(call.in_specs),
                                  out_specs=call.out_spec,
@@ -221,9 +237,7 @@ def _traced(call: Call, mesh):
 
 def _check_fn_call(call: FnCall) -> str:
   mesh = cpu_mesh(call.devices)
-  args = [jax.ShapeDtypeStruct(s, call.dtype,
-                               sharding=NamedSharding(mesh, spec))
-          for s, spec in zip(call.shapes, call.in_specs)]
+  args = _operands(call, mesh)
   try:
     with jax.set_mesh(mesh), gpu_facts(call.gpu_facts, mesh, call.num_sms):
       traced = jax.jit(call.fn).trace(*args)
@@ -235,10 +249,14 @@ def _check_fn_call(call: FnCall) -> str:
 
 
 def check_call(call: Call | FnCall | Broken) -> str:
-  """'lowered' / 'traced' (what it got to), or 'FAILED ...' with the error
-  (its stage named where only the traced call fails)."""
+  """'lowered' / 'traced' (what it got to), 'FAILED ...' with the error
+  (its stage named where only the traced call fails), or 'skipped ...'
+  where this JAX is older than the call `needs_jax`."""
   if isinstance(call, Broken):
     return f"FAILED {call.error}"
+  if call.needs_jax is not None and JAX_VERSION < tuple(call.needs_jax):
+    return (f"skipped (needs JAX >= {'.'.join(map(str, call.needs_jax))}, "
+            f"this is {jax.__version__})")
   if isinstance(call, FnCall):
     return _check_fn_call(call)
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
@@ -270,7 +288,7 @@ def check_plan(calls: Sequence[Call | FnCall | Broken],
   """Checks every call; prints a line each (with the config's fields that
   differ from the defaults) and a summary; returns the number that
   failed."""
-  failed = 0
+  failed = skipped = 0
   how = ("traced and lowered for CUDA" if LOWERS_OFF_GPU else
          f"traced (JAX {jax.__version__} cannot lower Mosaic GPU off GPU; "
          ">= 0.12 can)")
@@ -281,10 +299,12 @@ def check_plan(calls: Sequence[Call | FnCall | Broken],
   for call in calls:
     status = check_call(call)
     failed += status.startswith("FAILED")
+    skipped += status.startswith("skipped")
     print_fn(f"  {call.label:<40} D={call.devices} {status}")
     if isinstance(call, Call):
       print_fn(f"      {config_delta(call.config) or '(defaults)'}")
     elif isinstance(call, FnCall) and call.config is not None:
       print_fn(f"      {config_delta(call.config)}")
-  print_fn(f"plan: {len(calls) - failed} ok, {failed} failed")
+  print_fn(f"plan: {len(calls) - failed - skipped} ok, {failed} failed"
+           + (f", {skipped} skipped (an older JAX)" if skipped else ""))
   return failed
