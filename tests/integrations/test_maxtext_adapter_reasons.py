@@ -109,3 +109,23 @@ def test_the_launcher_switches_command_buffers_off_only_for_kernel_runs(
     argv, may_run):
   from collective_matmul.integrations.maxtext import __main__ as launcher
   assert launcher._kernels_may_run(argv) == may_run
+
+
+def test_a_quantized_layers_construction_call_is_not_recorded():
+  # MaxText's quantized DenseGeneral calls itself once at construction on a
+  # dummy input (`_initializing`): MaxText's path, and no decision, so the
+  # record holds only what a step runs.
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  calls = []
+  dot_general_nnx = adapter._make_dot_general_nnx(
+      lambda *args, **kwargs: calls.append(args) or "maxtext")
+  cm.clear_decisions()
+  stack = adapter._stack()
+  stack[:] = _stack(("embed", "mlp"))
+  try:
+    with cm.config_context(cm.CollectiveMatmulConfig(enabled=True)):
+      result = dot_general_nnx(X3, W, (2,), (0,), "default", object(), True)
+  finally:
+    stack.clear()
+  assert result == "maxtext" and len(calls) == 1
+  assert cm.decisions() == []

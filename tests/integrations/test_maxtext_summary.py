@@ -1,9 +1,15 @@
 """The MaxText launcher's closing summary (summary.summary), without MaxText:
 every projection accounted for, each reason said once, the settings, and
-the tensor-sequence hint when nothing was rewritten (issue 30, item 2)."""
+the hint that fits the reasons when nothing was rewritten (issue 30, item 2;
+issue 40, item 3)."""
+import flax.linen as nn
+import pytest
+
 import collective_matmul as cm
+from collective_matmul import patterns
 from collective_matmul.integrations.maxtext import summary
 from collective_matmul.record import Decision
+import maxtext_rules as mt
 
 CPU_REASON = "pallas unavailable: backend is 'cpu', the kernel needs a CUDA GPU"
 ON = cm.CollectiveMatmulConfig(enabled=True, impl="auto")
@@ -56,3 +62,62 @@ def test_plugin_off_says_maxtext_ran_its_own_code():
   text = summary.summary([], cm.CollectiveMatmulConfig(enabled=False))
   assert "plugin off" in text and "--use_collective_matmul" in text
   assert "rewritten" not in text
+
+
+def _matcher_reasons(**mesh):
+  """What the matcher says of MaxText's wi_0 and wo on this mesh (sizes of
+  MaxText's mesh axes), as the adapter records them."""
+  sizes = dict(zip(mt.MESH_AXES, mt.mesh_shape(**mesh)))
+
+  def resolve(axes):
+    with nn.logical_axis_rules(mt.LOGICAL_AXIS_RULES):
+      spec = patterns.normalize_spec(nn.logical_to_mesh_axes(axes),
+                                     len(axes))
+    return patterns.drop_size_one_axes(spec, sizes)
+
+  dn = (((2,), (0,)), ((), ()))
+  wi_0 = patterns.match_all_gather_matmul(
+      (8, 16, 32), (32, 64), dn, resolve(mt.RESIDUAL),
+      resolve(("embed", "mlp")), sizes)
+  wo = patterns.match_matmul_reduce_scatter(
+      (8, 16, 64), (64, 32), dn, resolve(mt.MLP_HIDDEN),
+      resolve(("mlp", "embed")), sizes, resolve(mt.RESIDUAL))
+  assert isinstance(wi_0, patterns.NoMatch), wi_0
+  assert isinstance(wo, patterns.NoMatch), wo
+  return [_left("mlp/wi_0", wi_0.reason), _left("mlp/wo", wo.reason)]
+
+
+@pytest.mark.parametrize("mesh,hint", [
+    (dict(data=2, tensor=4), summary.NOTHING_REWRITTEN_HINT),
+    (dict(tensor=2, tensor_sequence=4), summary.TENSOR_AXIS_HINT),
+    (dict(tensor=2, tensor_sequence=2, data=2), summary.TENSOR_AXIS_HINT),
+    (dict(context=2, tensor_sequence=4), summary.MINOR_AXIS_HINT),
+])
+def test_nothing_rewritten_gives_the_hint_of_the_mesh(mesh, hint):
+  text = summary.summary(_matcher_reasons(**mesh), ON)
+  assert "rewritten: 0 of 2 projections" in text
+  assert text.endswith(f"  {hint}")
+  others = {summary.NOTHING_REWRITTEN_HINT, summary.TENSOR_AXIS_HINT,
+            summary.MINOR_AXIS_HINT} - {hint}
+  assert not any(other in text for other in others)
+
+
+def test_a_tensor_sequence_mesh_is_not_told_to_set_tensor_sequence():
+  for mesh in (dict(tensor=2, tensor_sequence=4),
+               dict(context=2, tensor_sequence=4)):
+    text = summary.summary(_matcher_reasons(**mesh), ON)
+    assert "set ici_tensor_sequence_parallelism > 1" not in text
+
+
+def test_nothing_rewritten_for_reasons_no_mesh_explains_gives_no_hint():
+  records = [_left(name, "left to MaxText: quantized (quant config: "
+                   "AqtDotGeneral)") for name in ("mlp/wi_0", "mlp/wo")]
+  text = summary.summary(records, ON)
+  assert "rewritten: 0 of 2 projections" in text
+  assert summary.nothing_rewritten_hint(records) is None
+  assert "nothing was rewritten" not in text
+
+
+def test_no_hint_when_something_was_rewritten():
+  records = [_rewritten("mlp/wi_0"), *_matcher_reasons(data=2, tensor=4)]
+  assert summary.nothing_rewritten_hint(records) is None

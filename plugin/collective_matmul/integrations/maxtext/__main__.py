@@ -86,9 +86,9 @@ def print_decisions_after_compiles() -> None:
     if table not in printed["tables"]:
       printed["tables"].add(table)
       print(table, flush=True)
-      if not any(record.rewritten for record in new):
-        print(f"collective matmul: {summary.NOTHING_REWRITTEN_HINT}",
-              flush=True)
+      hint = summary.nothing_rewritten_hint(new)
+      if hint:
+        print(f"collective matmul: {hint}", flush=True)
 
   jax.monitoring.register_event_duration_secs_listener(on_event)
 

@@ -339,7 +339,9 @@ def _make_dot_general_nnx(original):
           lax.dot_general, dimension_numbers=captured[-1].dimension_numbers),
           inputs, kernel)
       return jnp.zeros(result.shape, result.dtype)
-    if (not config_lib.get_config().enabled or not stack or
+    # `initializing`: a quantized layer's construction calls it once on a
+    # dummy input to create the quantizer's variables; no step runs it.
+    if (not config_lib.get_config().enabled or initializing or not stack or
         stack[-1].kind != "dense"):
       return maxtext_path()
     reason, projection, name = _not_served_reason(

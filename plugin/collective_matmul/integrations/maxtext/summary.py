@@ -9,6 +9,7 @@ tested without it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 from absl import flags
@@ -23,9 +24,11 @@ ALLOW_UNTESTED_VERSION = flags.DEFINE_bool(
     "function it patches has the parameters it expects; one warning names "
     "the tested version. Also: CM_MAXTEXT_ALLOW_UNTESTED_VERSION=1.")
 
-# What to do when the plugin is on and nothing matched: MaxText shards the
-# activations between blocks on sequence over 'tensor_sequence', and on
-# their features over plain 'tensor'.
+# What to do when the plugin is on and nothing matched, by what the
+# matcher said of the projections left (`nothing_rewritten_hint`): MaxText
+# shards the activations between blocks on sequence over 'tensor_sequence',
+# on their features over plain 'tensor', and on sequence over
+# 'tensor_sequence' then 'context' with context parallelism.
 NOTHING_REWRITTEN_HINT = (
     "nothing was rewritten: the collective matmul needs activations sharded "
     "on rows (sequence) over the mesh axis that shards the weights' output "
@@ -33,6 +36,31 @@ NOTHING_REWRITTEN_HINT = (
     "ici_tensor_sequence_parallelism > 1 (plain ici_tensor_parallelism "
     "shards the activations' features, so there is no all-gather to "
     "overlap)")
+TENSOR_AXIS_HINT = (
+    "nothing was rewritten: with ici_tensor_parallelism > 1 MaxText shards "
+    "the activations' features over 'tensor' (a contracting dimension) and "
+    "the weights over 'tensor' and 'tensor_sequence' together, which is not "
+    "the collective matmul's pattern: give the 'tensor' devices to "
+    "ici_tensor_sequence_parallelism (ici_tensor_parallelism=1)")
+MINOR_AXIS_HINT = (
+    "nothing was rewritten: the sequence is sharded over 'tensor_sequence' "
+    "and then another axis (MaxText's activation_norm_length: "
+    "tensor_sequence, context, context_usp_ulysses), so a device's rows are "
+    "not one contiguous block of the ring's gather: the plugin serves the "
+    "sequence sharded over 'tensor_sequence' alone or last (e.g. "
+    "ici_context_parallelism=1)")
+# (hint, what a left projection's reason says when the hint applies), the
+# first that applies wins; reasons with none (quantized, excluded, ...) say
+# it all themselves. A contracting dimension over 'tensor' is the hint only
+# where the rows have an axis in common with the weight: tensor-sequence
+# parallelism is there.
+_HINTS = (
+    (NOTHING_REWRITTEN_HINT,
+     re.compile("no mesh axis shards both an lhs row dimension")),
+    (TENSOR_AXIS_HINT,
+     re.compile(r"contracting dimension \d+ is sharded over \([^)]*'tensor'")),
+    (MINOR_AXIS_HINT, re.compile(r"must be the minor \(last\) axis")),
+)
 CONFIG_DUMP_POINTER = (
     "collective matmul: MaxText logs its whole config next ('Config param' "
     "lines on stderr; log_config=False skips them); this launcher's summary "
@@ -93,8 +121,19 @@ def summary(records: Sequence[record_lib.Decision],
   for reason, names in by_reason.items():
     lines.append(f"    {', '.join(names)}: {reason}")
   lines.append(settings)
-  if latest and not rewritten:
-    lines.append(f"  {NOTHING_REWRITTEN_HINT}")
+  hint = nothing_rewritten_hint(list(latest.values()))
+  if hint:
+    lines.append(f"  {hint}")
   if not latest:
     lines.append("  no projection was traced with the plugin on")
   return "\n".join(lines)
+
+
+def nothing_rewritten_hint(
+    records: Sequence[record_lib.Decision]) -> str | None:
+  """What to change when none of `records` was rewritten, from the reasons
+  the matcher gave; None when something was, or when no hint applies."""
+  if not records or any(r.rewritten for r in records):
+    return None
+  return next((hint for hint, says in _HINTS
+               if any(says.search(r.reason) for r in records)), None)
