@@ -38,9 +38,11 @@ def _rows_layout(x, axis, config):
   return moved.reshape(rows, x.shape[-1]), None, True
 
 
-def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                              preferred_element_type, config,
-                              return_gathered=False):
+def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
+                              preferred_element_type, return_gathered):
+  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
+  # has nothing to select. The kernel hands back the shards it received.
+  del precision
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
   x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
@@ -70,8 +72,9 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
   return out, gathered.reshape(gathered_shape)
 
 
-def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                  preferred_element_type, config):
+def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
+                                  precision, preferred_element_type):
+  del precision  # As for the all-gather kernel.
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
   # Runs of rows are addressed per row block, so they must fit one block.
@@ -142,23 +145,6 @@ def _ring_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
       preferred_element_type=preferred_element_type)
 
 
-def _kernel_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
-                              preferred_element_type, return_gathered):
-  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
-  # has nothing to select. The kernel hands back the shards it received.
-  del precision
-  return _pallas_all_gather_matmul(x, w, axis_name, gather_axis,
-                                   preferred_element_type, config,
-                                   return_gathered)
-
-
-def _kernel_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
-                                  precision, preferred_element_type):
-  del precision  # As for the all-gather kernel.
-  return _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                       preferred_element_type, config)
-
-
 class Implementation(NamedTuple):
   """One implementation's forward for each collective, given the plan's
   config for it:
@@ -178,8 +164,8 @@ IMPLEMENTATIONS = types.MappingProxyType({
                                   _baseline_matmul_reduce_scatter),
     Impl.RING: Implementation(_ring_all_gather_matmul,
                               _ring_matmul_reduce_scatter),
-    Impl.PALLAS: Implementation(_kernel_all_gather_matmul,
-                                _kernel_matmul_reduce_scatter),
+    Impl.PALLAS: Implementation(_pallas_all_gather_matmul,
+                                _pallas_matmul_reduce_scatter),
 })
 
 
