@@ -6,6 +6,7 @@ import argparse
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax import lax
 
@@ -17,14 +18,29 @@ def _run_once(f, *operands, iterations):
   return jax.block_until_ready(f(*operands)), 2.0, {"fake": 2.0}
 
 
-def _fake_all_gather_kernel(a, b, axis_name, *, config):
-  del config
-  return lax.all_gather(a, axis_name, axis=0, tiled=True) @ b
+def _product(a, b, layout, scale):
+  """a @ b (b given [n, k] where `layout` is "nk"), fp8 operands in f32,
+  times `scale`, in bf16 as the kernels' fp8 cores give it."""
+  if layout == "kn" and scale is None:
+    return a @ b
+  out = lax.dot_general(a, b, (((1,), (1 if layout == "nk" else 0,)),
+                               ((), ())),
+                        preferred_element_type=jnp.float32)
+  return (out * (1 if scale is None else scale)).astype(jnp.bfloat16)
 
 
-def _fake_reduce_scatter_kernel(a, b, axis_name, *, config):
+def _fake_all_gather_kernel(a, b, axis_name, *, config, rhs_layout="kn",
+                            scale=None):
   del config
-  return lax.psum_scatter(a @ b, axis_name, scatter_dimension=0, tiled=True)
+  return _product(lax.all_gather(a, axis_name, axis=0, tiled=True), b,
+                  rhs_layout, scale)
+
+
+def _fake_reduce_scatter_kernel(a, b, axis_name, *, config, w_layout="kn",
+                                scale=None):
+  del config
+  return lax.psum_scatter(_product(a, b, w_layout, scale), axis_name,
+                          scatter_dimension=0, tiled=True)
 
 
 def _fake_kernels(real):
@@ -47,7 +63,7 @@ def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
     gemm_core):
   args = argparse.Namespace(
       iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
-      trace_dir=None,
+      trace_dir=None, skip_fp8=True,
       variant=[gemm_core.parse_variant('w256={"tile_m": 64, "tile_n": 256, '
                                        '"wg_dimension": "m"}'),
                gemm_core.parse_variant('rs_bad={"tile_m": 7}')])
@@ -62,6 +78,30 @@ def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
   assert row["ours_w256_config"]["tile_n"] == 256
   assert "tile_m=7" in row["ours_rs_bad_error"]
   assert "ours_rs_bad_us" not in row
+  assert not [key for key in row if "fp8" in key]
+
+
+def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(gemm_core):
+  """cuBLASLt's fp8 GEMM on e4m3 and e5m2 operands and our two fp8 cores,
+  each checked against the f32 product of its fp8 values, at the bf16
+  core's config with tile_k 128; fp8_* / rs_fp8_* variants on top."""
+  args = argparse.Namespace(
+      iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
+      trace_dir=None, skip_fp8=False,
+      variant=[gemm_core.parse_variant('fp8_deep={"max_concurrent_steps": '
+                                       '3}'),
+               gemm_core.parse_variant('rs_fp8_bad={"tile_k": 48}')])
+  row = gemm_core.bench("256/512/256", args)
+  for name in ("cublas", "ours_ag", "ours_rs", "cublas_fp8", "cublas_fp8_rs",
+               "ours_fp8", "ours_fp8_rs", "ours_fp8_deep"):
+    assert row[f"{name}_rel_err"] < 1e-2, name
+    assert row[f"{name}_rounds_us"] == [2.0, 2.0], name
+  assert row["ours_fp8_config"]["tile_k"] == 128
+  assert row["ours_fp8_deep_config"]["max_concurrent_steps"] == 3
+  assert row["ours_fp8_rs_config"] == dict(
+      row["ours_rs_config"], tile_k=128)
+  assert "tile_k" in row["ours_rs_fp8_bad_error"]
+  assert "ours_rs_fp8_bad_us" not in row
 
 
 def _kernels_args(**kw):
