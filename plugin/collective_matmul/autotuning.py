@@ -116,7 +116,8 @@ def _all_gather_candidates(problem, device):
 
 
 def kernel_time_us(f, *args, iterations: int = 10):
-  """CUPTI kernel time of `f(*args)` in microseconds, as the upstream example reports it.
+  """CUPTI kernel time of `f(*args)` in microseconds, as JAX's
+  `pallas/ops/gpu/collective_matmul_mgpu.py` reports it.
 
   For each kernel name the minimum over devices (a device that waited for
   its peer does not count its wait), summed over names; the median over

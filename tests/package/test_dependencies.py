@@ -74,8 +74,8 @@ def _setup_keyword(name):
           dict(constants))
   for node in ast.walk(tree):
     if isinstance(node, ast.keyword) and node.arg == name:
-      return eval(compile(ast.Expression(node.value), "setup.py", "eval"),  # pylint: disable=eval-used
-                  dict(constants))
+      value = compile(ast.Expression(node.value), "setup.py", "eval")
+      return eval(value, dict(constants))  # pylint: disable=eval-used
   raise AssertionError(f"setup.py has no {name}")
 
 
