@@ -1,6 +1,9 @@
 """Both kernels' fp8 cores on a one-device mesh (D = 1, no ring): e4m3 x
 e4m3 and e5m2 x e4m3, the weight K-major ([n, k]), a per-tensor f32 scale,
-against an f32 product of the same fp8 values with the output poisoned.
+against an f32 product of the same fp8 values with the output poisoned;
+and the fp8 rings (D = 2 and 4, where that many Hopper GPUs are: the
+all-gather forwards fp8 bytes, the reduce-scatter sums scaled partial
+products in the output dtype) with the gathered shards they delivered.
 
 Hopper's fp8 MMA does not accumulate at full f32 precision (a one-block fp8
 wgmma matched f32 to about 2e-4 relative on an H200), so f32 results are
@@ -17,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 
+from gpu_env import HOPPER_COUNT
 from gpu_env import poison as _poison
 from gpu_env import rel_error as _rel
 from gpu_env import ring_mesh as _mesh
@@ -110,3 +114,59 @@ def test_fp8_core_is_repeatable_bit_for_bit(name, keys):
   np.testing.assert_array_equal(
       np.asarray(_call(name, CONFIGS[name], a, b_nk, scale, None),
                  np.float32), first)
+
+
+RING_CONFIGS = {
+    "ag_tiles_send": AG(tile_k=128),
+    "ag_eager_chained": AG(tile_k=128, eager_release=True, chain_tiles=True),
+    "ag_k_major_senders": AG(tile_k=128, sender_sms=4, k_major_sends=True),
+    "rs_default": RS(tile_k=128),
+    "rs_whole_tile_chained": RS(tile_k=128, epi_tile_n=128,
+                                max_concurrent_steps=3, send_pieces=2,
+                                chain_tiles=True),
+}
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("lhs_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", sorted(RING_CONFIGS))
+def test_fp8_ring_matches_the_f32_product_of_its_fp8_values(name, lhs_dtype,
+                                                            d, keys):
+  if d > HOPPER_COUNT:
+    pytest.skip(f"needs {d} GPUs")
+  m, k, n = 512, 2048, 768
+  config = RING_CONFIGS[name]
+  all_gather = name.startswith("ag")
+  rows, cols = (d * m, k) if all_gather else (d * m, d * k)
+  a = jax.random.normal(keys(), (rows, cols), jnp.float32).astype(lhs_dtype)
+  b_nk = jax.random.normal(keys(), ((d * n if all_gather else n), cols),
+                           jnp.float32).astype(E4M3)
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
+         * np.float32(scale))
+  with jax.set_mesh(_mesh(d)):
+    if all_gather:
+      specs = (P("x", None), P("x", None), P())
+      out_specs = (P(None, "x"), P("x"))
+      fn = lambda a, b, s: kernels.all_gather_lhs_matmul(
+          a, b, "x", config=config, rhs_layout="nk", scale=s,
+          return_gathered=True)
+    else:
+      specs = (P(None, "x"), P(None, "x"), P())
+      out_specs = P("x", None)
+      fn = lambda a, b, s: kernels.matmul_reduce_scatter(
+          a, b, "x", config=config, w_layout="nk", scale=s)
+    operands = [jax.sharding.reshard(x, spec)
+                for x, spec in zip((a, b_nk, scale), specs)]
+    _poison(d * m * d * n * 4)
+    out = jax.jit(jax.shard_map(fn, out_specs=out_specs,
+                                check_vma=False))(*operands)
+  if all_gather:
+    out, held = out
+    # Every device holds every shard, as fp8 bytes, in axis-index order.
+    np.testing.assert_array_equal(
+        np.asarray(held, np.float32).reshape(d, d * m, k),
+        np.broadcast_to(np.asarray(a, np.float32), (d, d * m, k)))
+  assert out.dtype == jnp.bfloat16
+  # The reduce-scatter adds d partial sums, each rounded to bf16.
+  assert _rel(out, ref) < TOLERANCE[jnp.bfloat16] * (1 if all_gather else 2)
