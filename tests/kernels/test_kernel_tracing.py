@@ -361,6 +361,39 @@ def test_no_slot_is_freed_while_a_wgmma_still_reads_it(kernel, config, delay):
   assert depths and set(depths) == {delay}, depths
 
 
+@pytest.mark.parametrize("kernel,config,delay", [
+    ("ag", kernels.AllGatherConfig(tile_k=128), 1),
+    ("ag", kernels.AllGatherConfig(tile_k=128, eager_release=True,
+                                   chain_tiles=True,
+                                   max_concurrent_steps=3), 0),
+    ("ag", kernels.AllGatherConfig(tile_k=128, sender_sms=4,
+                                   k_major_sends=True), 0),
+    ("rs", kernels.ReduceScatterConfig(tile_k=128, chain_tiles=True), 0),
+], ids=str)
+def test_no_slot_is_freed_while_a_wgmma_still_reads_it_in_the_fp8_rings(
+    kernel, config, delay):
+  """The same check for the fp8 rings (D = 2; e4m3, the weight K-major):
+  their k loop is the bf16 one with B's slots read transposed."""
+  mesh = _mesh(2)
+  e4m3 = jnp.float8_e4m3fn
+  scale = _spec(mesh, (), P(), jnp.float32)
+  with jax.set_mesh(mesh):
+    if kernel == "ag":
+      f = jax.shard_map(lambda a, b, s: kernels.all_gather_lhs_matmul(
+          a, b, "x", config=config, rhs_layout="nk", scale=s),
+                        out_specs=P(None, "x"), check_vma=False)
+      args = (_spec(mesh, (1024, 512), P("x", None), e4m3),
+              _spec(mesh, (1024, 512), P("x", None), e4m3), scale)
+    else:
+      f = jax.shard_map(lambda a, b, s: kernels.matmul_reduce_scatter(
+          a, b, "x", config=config, w_layout="nk", scale=s),
+                        out_specs=P("x", None), check_vma=False)
+      args = (_spec(mesh, (1024, 1024), P(None, "x"), e4m3),
+              _spec(mesh, (512, 1024), P(None, "x"), e4m3), scale)
+    depths = _wgmma_wait_depths(jax.make_jaxpr(f)(*args).jaxpr)
+  assert depths and set(depths) == {delay}, depths
+
+
 # 2-block clusters sharing B ("m") or A ("n") by TMA multicast, chained at
 # the depth (JAX's pipeline), off it (`_OffsetChain`) and unchained; the
 # reduce-scatter with its whole-tile epilogue and 64 x 256 warpgroup tiles.
