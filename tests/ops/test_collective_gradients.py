@@ -201,7 +201,9 @@ def test_backward_impl(monkeypatch, impl, collective, dtype, expected):
   plan = _plan(monkeypatch, impl, forward, jnp.bfloat16, dtype)
   assert plan.impl == impl
   assert plan.backward_impl == expected
-  assert plan.backward_config is None
+  # No kernel config: the ring's own (both ways round, the default).
+  assert plan.backward_config == (ring.RingConfig() if expected == "ring"
+                                  else None)
 
 
 def test_backward_keeps_pallas_for_both_kernels_on_their_dtypes(monkeypatch):
