@@ -89,7 +89,7 @@ def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
             "bfloat16 or float32)")
   if not rhs_k_major:
     return ("an fp8 weight given [k, n]: 8-bit wgmma operands are read "
-            "K-major, pass it as [n, k] (rhs_layout='nk')")
+            "K-major, pass it as [n, k] (layout 'nk')")
   if tile_k != FP8_TILE_K:
     return (f"tile_k={tile_k} with fp8 operands (the 128-byte swizzle holds "
             f"{FP8_TILE_K} fp8 elements of k: tile_k={FP8_TILE_K})")
