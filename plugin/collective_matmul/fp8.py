@@ -83,8 +83,12 @@ def _is_explicit(array) -> bool:
 
 
 def _mesh_axes(axes) -> list[tuple[str, ...]]:
-  """The mesh axes of each logical name under the active rules."""
-  return [() if a is None else (a,) if isinstance(a, str) else tuple(a)
+  """The mesh axes of each logical name under the active rules, without
+  those of size 1 in the current mesh (they shard nothing)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return [tuple(m for m in ((a,) if isinstance(a, str) else a or ())
+                if sizes.get(m) != 1)
           for a in nn.logical_to_mesh_axes(axes)]
 
 
@@ -227,6 +231,7 @@ def fp8_scaled_dot_general(
     lhs_axes: Sequence[str | None] | None = None,
     rhs_axes: Sequence[str | None] | None = None,
     out_axes: Sequence[str | None] | None = None,
+    result_axes: Sequence[str | None] | None = None,
     name: str | None = None,
     config: config_lib.CollectiveMatmulConfig | None = None):
   """`flax.linen.fp8_ops.fp8_scaled_dot_general`, its fp8 products through
@@ -249,6 +254,11 @@ def fp8_scaled_dot_general(
     grad_amax_history, quantize_compute_type: as in Flax's function.
     lhs_axes, rhs_axes, out_axes: logical axis names, as in
       `logical_dot_general` (None: read explicit shardings).
+    result_axes: the logical names of the result as the collective matmul
+      lays it out (the cotangent's, for the dgrad's matmul); default:
+      `out_axes`, else `cotangent_axes(lhs_axes, rhs_axes)`. Give them
+      where the active rules cannot resolve those (a mesh axis of a kernel
+      name also claimed by an activation name).
     name: labels the decision records.
     config: a `CollectiveMatmulConfig` instead of the active one.
   """
@@ -258,10 +268,9 @@ def fp8_scaled_dot_general(
   lhs_axes, rhs_axes = _tuple_or_none(lhs_axes), _tuple_or_none(rhs_axes)
   out_axes = _tuple_or_none(out_axes)
   cfg = config or config_lib.get_config()
-  grad_axes = None
-  if lhs_axes is not None and cfg.enabled:
-    grad_axes = out_axes or cotangent_axes(lhs_axes, rhs_axes,
-                                           dimension_numbers)
+  grad_axes = _tuple_or_none(result_axes) or out_axes
+  if lhs_axes is not None and cfg.enabled and grad_axes is None:
+    grad_axes = cotangent_axes(lhs_axes, rhs_axes, dimension_numbers)
   dots = Fp8Dots(lhs_axes, rhs_axes, out_axes, grad_axes, out_sharding,
                  name, config)
   q_lhs, new_lhs_scale = fp8_ops.in_q(quantize_compute_type, _E4M3, lhs,
@@ -292,13 +301,19 @@ class Fp8DirectDotGeneralOp(fp8_ops.Fp8DotGeneralBase):
     lhs_axes, rhs_axes, out_axes: logical axis names of the activation, the
       kernel and the result, as in `logical_dot_general`; None (default):
       read the operands' explicit shardings.
+    result_axes: the result's logical names as the collective matmul lays
+      it out, for the gradient's matmul (`fp8_scaled_dot_general`).
     config: a `CollectiveMatmulConfig` instead of the active one.
+    record_name: labels the decision records (default: the path of the
+      layer that calls this op).
   """
 
   lhs_axes: Sequence[str | None] | None = None
   rhs_axes: Sequence[str | None] | None = None
   out_axes: Sequence[str | None] | None = None
+  result_axes: Sequence[str | None] | None = None
   config: config_lib.CollectiveMatmulConfig | None = None
+  record_name: str | None = None
 
   def __call__(self, *args, out_sharding=None, **kwargs):
     x, k, dimension_numbers, comp_dtype = _parse_dot_inputs(*args, **kwargs)
@@ -313,4 +328,6 @@ class Fp8DirectDotGeneralOp(fp8_ops.Fp8DotGeneralBase):
         grad_amax_history=self.output_grad_amax_history.value,
         quantize_compute_type=comp_dtype, lhs_axes=self.lhs_axes,
         rhs_axes=self.rhs_axes, out_axes=self.out_axes,
-        name="/".join(self.scope.path[:-1]) or None, config=self.config)
+        result_axes=self.result_axes,
+        name=self.record_name or "/".join(self.scope.path[:-1]) or None,
+        config=self.config)

@@ -12,7 +12,11 @@ logical_dot_general` with the activation's and result's logical axes from
 decision record says why. Sibling projections of one activation (Attention's
 query/key/value in self-attention, MlpBlock's wi_0/wi_1) run as one grouped
 collective matmul at the first one's dot (`_sibling_group`); the later ones'
-dots are served its results. Nothing is patched at parameter creation, so the
+dots are served its results. A projection of `quantization=fp8` (Flax's
+`Fp8DirectDotGeneralOp` in a `ToNNX`, MaxText's `quant_dot_general`) runs
+`fp8.Fp8DirectDotGeneralOp` on the same variables, alone (each has its own
+scales); other quantization modes keep MaxText's path, with the quantizer's
+class in the reason. Nothing is patched at parameter creation, so the
 parameter tree, initial values and checkpoints are MaxText's; with the
 plugin off (the configuration read at trace time) every call is MaxText's
 original function, so the program is bit-identical to stock MaxText.
@@ -288,8 +292,10 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   owner = owners[-1] if owners else None
   attr = _attribute_name(owner.module, dense) if owner else None
   name = f"{owner.kind}/{attr}" if owner and attr else f"dense{kernel_axes}"
-  if quant_dot_general is not None:
-    return "quantized (quant config)", None, name
+  if quant_dot_general is not None and _flax_fp8_op(quant_dot_general) is None:
+    wrapped = getattr(quant_dot_general, "to_nnx__module", quant_dot_general)
+    return (f"quantized (quant config: {type(wrapped).__name__})", None,
+            name)
   if (kernel_scale is not None or native_fp8_compute or
       "float8" in str(getattr(kernel, "dtype", ""))):
     return "fp8 weights", None, name
@@ -312,6 +318,38 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
     return (f"activation of rank {jnp.ndim(inputs)}, expected "
             f"{projection.activation_axes}"), None, name
   return None, projection, name
+
+
+def _flax_fp8_op(quant_dot_general):
+  """The Flax `Fp8DirectDotGeneralOp` that MaxText's `quantization=fp8`
+  wraps in a `ToNNX` as a projection's `quant_dot_general`, or None (other
+  quantization modes, and Flax's other fp8 ops, keep MaxText's path)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  module = getattr(quant_dot_general, "to_nnx__module", None)
+  return module if type(module) is nn.Fp8DirectDotGeneralOp else None
+
+
+def _served_fp8(quant_dot_general, inputs, kernel, dimension_numbers,
+                projection, name):
+  """MaxText's fp8 projection through `fp8.Fp8DirectDotGeneralOp`: the
+  `ToNNX` that holds Flax's op (its variables, MaxText's call) runs ours,
+  with the same fields and variables, for this call."""
+  from collective_matmul import fp8  # pylint: disable=g-import-not-at-top
+  flax_op = _flax_fp8_op(quant_dot_general)
+  ours = fp8.Fp8DirectDotGeneralOp(
+      amax_history_length=flax_op.amax_history_length,
+      e4m3_dtype=flax_op.e4m3_dtype, e5m2_dtype=flax_op.e5m2_dtype,
+      lhs_axes=projection.activation_axes, rhs_axes=projection.kernel_axes,
+      out_axes=projection.out_axes, result_axes=projection.result_axes,
+      record_name=name, parent=None)
+  # `to_nnx__module` is static data of the ToNNX, not state: swapped for
+  # the call, past nnx's attribute checks, and put back.
+  object.__setattr__(quant_dot_general, "to_nnx__module", ours)
+  try:
+    return quant_dot_general(inputs, kernel, dimension_numbers,
+                             precision=None, mutable=["aqt"])
+  finally:
+    object.__setattr__(quant_dot_general, "to_nnx__module", flax_op)
 
 
 def _make_dot_general_nnx(original):
@@ -354,6 +392,11 @@ def _make_dot_general_nnx(original):
       return maxtext_path()
     call = _Captured(inputs, kernel, tuple(axis), tuple(contract_ind),
                      matmul_precision, None, projection, name)
+    if quant_dot_general is not None:  # Flax's fp8 op: each its own scales.
+      if initializing:
+        return maxtext_path()
+      return _served_fp8(quant_dot_general, inputs, kernel,
+                         call.dimension_numbers, projection, name)
     result, group_reason = _sibling_group(stack, call)
     if result is not None:
       return result

@@ -46,12 +46,16 @@ class Projection:
     out_axes: the result's logical axes, for the matmul + reduce-scatter
       projections (the operands alone do not say the sum is wanted
       scattered); None for the all-gather ones.
+    result_axes: an all-gather projection's result axes where MaxText's
+      rules cannot resolve the ones `fp8.cotangent_axes` derives (the fp8
+      gradient's matmul reads them); None: derived.
   """
 
   owner: str
   kernel_axes: tuple[str, ...]
   activation_axes: tuple[str, ...]
   out_axes: tuple[str, ...] | None = None
+  result_axes: tuple[str, ...] | None = None
 
   @property
   def collective(self) -> Collective:
@@ -61,7 +65,7 @@ class Projection:
 
 PROJECTIONS = tuple(Projection(*p) for p in (
     # MlpBlock: wi_0 / wi_1 (unfused), wi (fused_mlp), wo.
-    ("mlp", ("embed", "mlp"), RESIDUAL),
+    ("mlp", ("embed", "mlp"), RESIDUAL, None, MLP_HIDDEN),
     ("mlp", ("embed", "num_activations", "mlp"), RESIDUAL),
     ("mlp", ("mlp", "embed"), MLP_HIDDEN, RESIDUAL),
     # Attention: query, key / value, qkv_proj (fused_qkv), out.
