@@ -17,7 +17,8 @@ def _stack(kernel_axes, owner="mlp", mode="train", attr="wi_0", moe=False,
   dense = types.SimpleNamespace(kernel_axes=kernel_axes,
                                 shard_mode=shard_mode)
   owner_module = types.SimpleNamespace(**{attr: dense})
-  frames = [adapter._Frame("moe", object())] if moe else []
+  frames = [adapter._Frame("moe", types.SimpleNamespace(
+      shared_experts=owner_module))] if moe else []
   if owner:
     frames.append(adapter._Frame(owner, owner_module, mode))
   return frames + [adapter._Frame("dense", dense)]
@@ -129,3 +130,23 @@ def test_a_quantized_layers_construction_call_is_not_recorded():
     stack.clear()
   assert result == "maxtext" and len(calls) == 1
   assert cm.decisions() == []
+
+
+def test_a_projection_nested_in_another_owner_is_named_through_it():
+  # deepseek: the shared experts' MlpBlock inside the MoE block, and the
+  # dense layers' MlpBlock, have the same attributes: the names differ.
+  _, _, nested = _reason(_stack(("embed", "mlp"), moe=True))
+  _, _, dense_layer = _reason(_stack(("embed", "mlp")))
+  assert nested == "moe/shared_experts/wi_0"
+  assert dense_layer == "mlp/wi_0"
+
+
+def test_owners_of_one_kind_nested_are_one_name_part():
+  # MaxText's MoE block with shared experts holds the routed one; MLA's
+  # __call__ runs Attention's.
+  gate = types.SimpleNamespace()
+  routed = types.SimpleNamespace(gate=gate)
+  outer = types.SimpleNamespace(MoeBlock_0=routed)
+  owners = [adapter._Frame("moe", outer), adapter._Frame("moe", routed)]
+  assert adapter._projection_name(owners, gate) == "moe/gate"
+  assert adapter._projection_name(owners, object()) is None

@@ -28,6 +28,14 @@ MODELS = {
     "mistral-7b": ("base_emb_dim=256", "base_mlp_dim=512",
                    "base_num_query_heads=8", "base_num_kv_heads=4",
                    "head_dim=32"),
+    # MLA attention; one dense layer, then a MoE layer with shared experts.
+    "deepseek3-tiny": ("base_emb_dim=256", "base_mlp_dim=512",
+                       "base_num_query_heads=8", "base_num_kv_heads=8",
+                       "first_num_dense_layers=1", "q_lora_rank=64",
+                       "kv_lora_rank=32", "qk_nope_head_dim=32",
+                       "qk_rope_head_dim=16", "v_head_dim=32",
+                       "num_experts=4", "num_experts_per_tok=2",
+                       "base_moe_mlp_dim=512", "megablox=False"),
 }
 MESHES = {
     "ts4_data2": ("ici_tensor_sequence_parallelism=4",

@@ -11,8 +11,10 @@ or launch MaxText through the plugin:
 Served (training graphs, bf16/f32, the logical/Auto route): MlpBlock's
 wi_0 / wi_1 / fused wi (all-gather) and wo (matmul + reduce-scatter);
 Attention's query, key, value, fused qkv (all-gather) and out (matmul +
-reduce-scatter). Quantized, fp8, MoE, unknown and non-training projections
-take MaxText's own path, recorded in `collective_matmul.decisions()`.
+reduce-scatter); the decoder's logits, dense or through the tied embedding
+(all-gather). Quantized, fp8, unknown and non-training projections, and a
+mixture-of-experts block's router gate and routed experts, take MaxText's
+own path, each recorded with its reason in `collective_matmul.decisions()`.
 
 Separately, `--maxtext_shard_gpu_attention` (off by default; `attention.py`)
 runs MaxText's GPU flash attention per shard of batch and heads, where

@@ -4,12 +4,14 @@ MaxText's layers take no `dot_general` argument: every unquantized
 projection goes through `maxtext.layers.linears._compute_dot_general_nnx`,
 called from `DenseGeneral.__call__`, which knows only the kernel's logical
 axes. `install()` wraps those two private names, and the `__call__` of the
-modules that own the projections (`MlpBlock`, `Attention`, and MoE blocks,
-which are left alone), so that at trace time the dot_general of a known
-projection in a training graph becomes `collective_matmul.
-logical_dot_general` with the activation's and result's logical axes from
-`projections.PROJECTIONS`. Everything else takes MaxText's own code, and the
-decision record says why. Sibling projections of one activation (Attention's
+modules that own the projections (`MlpBlock`, `Attention`, the decoder's
+output head, and MoE blocks and their router gate, which are left alone), so
+that at trace time the dot_general of a known projection in a training graph
+becomes `collective_matmul.logical_dot_general` with the activation's and
+result's logical axes from `projections.PROJECTIONS`; so does the output
+head's tied-embedding logits (`attend_on_embedding`). Everything else takes
+MaxText's own code, and the decision record says why, a MoE block's routed
+experts included (recorded when the block is called). Sibling projections of one activation (Attention's
 query/key/value in self-attention, MlpBlock's wi_0/wi_1) run as one grouped
 collective matmul at the first one's dot (`_sibling_group`); the later ones'
 dots are served its results. A projection of `quantization=fp8` (Flax's
@@ -67,9 +69,20 @@ _EXPECTED_PARAMETERS = (
     ("attentions", "Attention.__call__", "at least", (
         "inputs_q", "inputs_kv", "model_mode", "shared_key",
         "shared_value")),
+    # Multi-head latent attention (deepseek), an Attention with its own
+    # __call__: its out projection is Attention's.
+    ("attention_mla", "MLA.__call__", "at least", (
+        "inputs_q", "inputs_kv", "model_mode")),
     ("nnx_decoders", "NNXDecoder.apply_output_head", "exactly", (
         "self", "shared_embedding", "y", "deterministic", "model_mode",
         "normalize_y")),
+    # The tied-embedding logits (logits_via_embedding).
+    ("nnx_decoders", "attend_on_embedding", "exactly", (
+        "query", "embedding_table", "attend_dtype", "config",
+        "out_sharding")),
+    # Recorded, left to MaxText: the router gate and the routed experts.
+    ("moe", "GateLogit.__call__", "at least", ("self", "inputs")),
+    ("moe", "RoutedMoE.__call__", "at least", ("self", "inputs")),
     # `attention` (--maxtext_shard_gpu_attention).
     ("attention_op", "AttentionOp.apply_attention", "at least", (
         "self", "query", "key", "value", "decoder_segment_ids",
@@ -78,6 +91,12 @@ _EXPECTED_PARAMETERS = (
      "at least", ()),
 )
 _TRAIN = "train"  # maxtext.common.common_types.MODEL_MODE_TRAIN
+# The decoder's output head with logits_via_embedding: the token embedding
+# table, [vocab, embed_vocab] (`Embed.embedding`), contracted on embed.
+_TIED_LOGITS = "decoder/logits_via_embedding"
+# A RoutedMoE's expert weights, [experts, in, out] (`prefuse_moe_weights`:
+# wi holds wi_0 and wi_1).
+_EXPERT_WEIGHTS = ("wi_0", "wi_1", "wi", "wo")
 # The DenseGeneral attributes of an owner that project the same activation,
 # in the order MaxText 0.2.5 calls them: the first one's dot runs the group.
 _SIBLINGS = {"attention": ("query", "key", "value"), "mlp": ("wi_0", "wi_1")}
@@ -89,7 +108,7 @@ class MaxTextVersionError(RuntimeError):
 
 @dataclasses.dataclass
 class _Frame:
-  kind: str  # "mlp", "attention", "decoder", "moe" or "dense".
+  kind: str  # "mlp", "attention", "decoder", "moe", "gate" or "dense".
   module: Any
   model_mode: str | None = None
   # "dense": the array DenseGeneral was called with.
@@ -126,12 +145,13 @@ def _entered(frame: _Frame) -> Iterator[None]:
 
 
 def _maxtext_modules():
+  from maxtext.layers import attention_mla  # pylint: disable=g-import-not-at-top
   from maxtext.layers import attention_op  # pylint: disable=g-import-not-at-top
   from maxtext.layers import attentions  # pylint: disable=g-import-not-at-top
   from maxtext.layers import linears  # pylint: disable=g-import-not-at-top
   from maxtext.layers import moe  # pylint: disable=g-import-not-at-top
   from maxtext.layers import nnx_decoders  # pylint: disable=g-import-not-at-top
-  return linears, attentions, moe, nnx_decoders, attention_op
+  return linears, attentions, moe, nnx_decoders, attention_op, attention_mla
 
 
 def allow_untested_from_environment() -> bool:
@@ -172,7 +192,8 @@ def check_maxtext(allow_untested_version: bool | None = None) -> str:
         f"launcher or set {ALLOW_UNTESTED_ENV}=1; the signatures are still "
         "checked")
   modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders",
-                      "attention_op"), _maxtext_modules()))
+                      "attention_op", "attention_mla"),
+                     _maxtext_modules()))
   for module_name, path, how, expected in _EXPECTED_PARAMETERS:
     target = modules[module_name]
     for attr in path.split("."):
@@ -229,7 +250,8 @@ def install(allow_untested_version: bool | None = None) -> str:
   version = check_maxtext(allow_untested_version)
   if is_installed():
     return version
-  linears, attentions, moe, nnx_decoders, _ = _maxtext_modules()
+  linears, attentions, moe, nnx_decoders, _, attention_mla = (
+      _maxtext_modules())
   attention.install()
 
   def owner_call(kind, mode_of, details=lambda args, kwargs: {}):
@@ -254,16 +276,20 @@ def install(allow_untested_version: bool | None = None) -> str:
 
   _patch(linears.MlpBlock, "__call__", owner_call(
       "mlp", lambda self, a, kw: getattr(self, "model_mode", None) or _TRAIN))
-  _patch(attentions.Attention, "__call__", owner_call(
-      "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
-      attention_details))
+  for attention_class in (attentions.Attention, attention_mla.MLA):
+    _patch(attention_class, "__call__", owner_call(
+        "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
+        attention_details))
   _patch(nnx_decoders.NNXDecoder, "apply_output_head", owner_call(
       "decoder",
       lambda self, a, kw: argument(a, kw, 3, "model_mode") or _TRAIN))
-  for name in ("RoutedMoE", "RoutedAndSharedMoE"):
-    if hasattr(moe, name):
-      _patch(getattr(moe, name), "__call__", owner_call(
-          "moe", lambda self, a, kw: None))
+  _patch(moe.RoutedMoE, "__call__", _make_routed_moe_call)
+  if hasattr(moe, "RoutedAndSharedMoE"):
+    _patch(moe.RoutedAndSharedMoE, "__call__", owner_call(
+        "moe", lambda self, a, kw: None))
+  _patch(moe.GateLogit, "__call__", owner_call(
+      "gate", lambda self, a, kw: None))
+  _patch(nnx_decoders, "attend_on_embedding", _make_attend_on_embedding)
   _patch(linears.DenseGeneral, "__call__", owner_call(
       "dense", lambda self, a, kw: None,
       lambda args, kw: {"inputs": argument(args, kw, 0, "inputs")}))
@@ -280,7 +306,24 @@ def uninstall() -> None:
 
 
 def _attribute_name(owner, module) -> str | None:
-  return next((k for k, v in vars(owner).items() if v is module), None)
+  return next((k for k, v in getattr(owner, "__dict__", {}).items()
+               if v is module), None)
+
+
+def _projection_name(owners, module) -> str | None:
+  """`module`'s name: the outermost owner's kind, the attribute of each
+  nested owner of another kind in the one around it, and `module`'s
+  attribute in the innermost ("mlp/wi_0"; a mixture-of-experts block's
+  shared experts: "moe/shared_experts/wi_0"); None when the innermost owner
+  does not hold it."""
+  if not owners:
+    return None
+  parts = [owners[0].kind]
+  for outer, inner in zip(owners, owners[1:]):
+    if inner.kind != outer.kind:
+      parts.append(_attribute_name(outer.module, inner.module) or inner.kind)
+  attr = _attribute_name(owners[-1].module, module)
+  return "/".join(parts + [attr]) if attr else None
 
 
 def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
@@ -290,8 +333,7 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   kernel_axes = tuple(getattr(dense, "kernel_axes", ()) or ())
   owners = [f for f in stack[:-1] if f.kind != "dense"]
   owner = owners[-1] if owners else None
-  attr = _attribute_name(owner.module, dense) if owner else None
-  name = f"{owner.kind}/{attr}" if owner and attr else f"dense{kernel_axes}"
+  name = _projection_name(owners, dense) or f"dense{kernel_axes}"
   if quant_dot_general is not None and _flax_fp8_op(quant_dot_general) is None:
     wrapped = getattr(quant_dot_general, "to_nnx__module", quant_dot_general)
     return (f"quantized (quant config: {type(wrapped).__name__})", None,
@@ -379,8 +421,12 @@ def _make_dot_general_nnx(original):
       return jnp.zeros(result.shape, result.dtype)
     # `initializing`: a quantized layer's construction calls it once on a
     # dummy input to create the quantizer's variables; no step runs it.
-    if (not config_lib.get_config().enabled or initializing or not stack or
-        stack[-1].kind != "dense"):
+    if not config_lib.get_config().enabled or initializing or not stack:
+      return maxtext_path()
+    if stack[-1].kind == "gate":  # GateLogit calls it without a DenseGeneral.
+      _record_gate(stack, inputs, kernel)
+      return maxtext_path()
+    if stack[-1].kind != "dense":
       return maxtext_path()
     reason, projection, name = _not_served_reason(
         stack, inputs, kernel, quant_dot_general, kernel_scale,
@@ -408,6 +454,112 @@ def _make_dot_general_nnx(original):
 
   dot_general_nnx.__wrapped__ = original
   return dot_general_nnx
+
+
+# ----------------------------------- mixture of experts, tied-embedding logits
+
+
+def _record_gate(stack, inputs, kernel) -> None:
+  """Records a MoE router gate (`GateLogit`) as left to MaxText."""
+  gate = stack[-1].module
+  owners = [f for f in stack[:-1] if f.kind not in ("dense", "gate")]
+  kernel_axes = tuple(getattr(gate, "kernel_axes", ()) or ())
+  outputs = kernel_axes[len(getattr(gate, "in_features_shape", (0,))):]
+  if outputs and all(axis is None for axis in outputs):
+    reason = (f"the router gate's kernel {kernel_axes} leaves its experts "
+              "dimension unsharded: each device computes its own rows' "
+              "logits, no all-gather to overlap")
+  else:
+    reason = (f"the router gate (kernel axes {kernel_axes}) is not a "
+              "projection the adapter serves")
+  record.record_not_served(
+      _projection_name(owners, gate) or "moe/gate",
+      f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
+      rhs_shape=jnp.shape(kernel), dtype=jnp.result_type(inputs))
+
+
+def _routed_experts_reason(maxtext_config) -> str:
+  if not getattr(maxtext_config, "sparse_matmul", True):
+    how = "dense einsum over dispatched tokens"
+  elif getattr(maxtext_config, "use_tokamax_gmm", False):
+    how = "tokamax grouped matmul"
+  elif getattr(maxtext_config, "megablox", False):
+    how = "megablox grouped matmul"
+  else:
+    how = "jax.lax.ragged_dot"
+  return (f"routed experts ({how}): expert parallelism is another "
+          "collective (tokens go to their experts' devices), not a dense "
+          "projection's all-gather or reduce-scatter")
+
+
+def _make_routed_moe_call(original):
+  def call(self, inputs, *args, **kwargs):
+    with _entered(_Frame("moe", self)):
+      if config_lib.get_config().enabled:
+        owners = [f for f in _stack() if f.kind != "dense"]
+        reason = _routed_experts_reason(getattr(self, "config", None))
+        for attr in _EXPERT_WEIGHTS:
+          weight = getattr(self, attr, None)
+          if weight is None:
+            continue
+          weight = weight.get_value() if hasattr(weight, "get_value") else (
+              weight)
+          record.record_not_served(
+              _projection_name(owners, getattr(self, attr)) or f"moe/{attr}",
+              f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
+              rhs_shape=jnp.shape(weight), dtype=jnp.result_type(inputs))
+      return original(self, inputs, *args, **kwargs)
+  call.__wrapped__ = original
+  return call
+
+
+def _make_attend_on_embedding(original):
+  """The decoder's tied-embedding logits: `jnp.dot(query, bf16(table).T,
+  preferred_element_type=attend_dtype)` as a collective matmul of the
+  table [vocab, embed_vocab] contracted on its second dimension."""
+  def attend_on_embedding(query, embedding_table, attend_dtype, config,
+                          out_sharding=None):
+    def maxtext_path():
+      return original(query, embedding_table, attend_dtype, config,
+                      out_sharding)
+
+    stack = _stack()
+    if (not config_lib.get_config().enabled or not stack or
+        stack[-1].kind != "decoder"):
+      return maxtext_path()
+    table_shape = jnp.shape(embedding_table)
+    reason = None
+    if "EXPLICIT" in str(getattr(config, "shard_mode", "")).upper():
+      reason = ("shard_mode=explicit (the adapter serves MaxText's logical, "
+                "Auto-sharded route)")
+    elif stack[-1].model_mode != _TRAIN:
+      reason = (f"model_mode={stack[-1].model_mode!r} (the adapter serves "
+                "training)")
+    elif jnp.ndim(query) != len(projections.LOGITS_INPUT):
+      reason = (f"activation of rank {jnp.ndim(query)}, expected "
+                f"{projections.LOGITS_INPUT}")
+    elif getattr(config, "parameter_memory_host_offload", False):
+      reason = "the embedding table is offloaded to host memory"
+    if reason is not None:
+      record.record_not_served(
+          _TIED_LOGITS, f"left to MaxText: {reason}",
+          lhs_shape=jnp.shape(query), rhs_shape=table_shape,
+          dtype=jnp.result_type(query))
+      return maxtext_path()
+    projection = projections.find_projection("decoder",
+                                             projections.EMBEDDING_AXES)
+    # As jnp.dot: the table in bf16, both operands promoted to one dtype.
+    table = jnp.asarray(embedding_table, jnp.bfloat16)
+    dtype = jnp.promote_types(jnp.result_type(query), table.dtype)
+    return override.collective_dot_general(
+        jnp.asarray(query, dtype), jnp.asarray(table, dtype),
+        (((jnp.ndim(query) - 1,), (1,)), ((), ())), None,
+        preferred_element_type=attend_dtype,
+        lhs_axes=projection.activation_axes,
+        rhs_axes=projection.kernel_axes, name=_TIED_LOGITS)
+
+  attend_on_embedding.__wrapped__ = original
+  return attend_on_embedding
 
 
 # ------------------------------------------------------- sibling projections

@@ -32,6 +32,9 @@ ATTN_OUT = ("activation_batch_attn", "activation_length_attn",
 # logits sharding (`apply_output_head`'s out_sharding) for its batch axis.
 LOGITS_INPUT = ("activation_embed_and_logits_batch", "activation_norm_length",
                 "activation_embed")
+# The token embedding table (`Embed.embedding`), which the output head
+# contracts on its embed dimension with logits_via_embedding (tied).
+EMBEDDING_AXES = ("vocab", "embed_vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +76,10 @@ PROJECTIONS = tuple(Projection(*p) for p in (
     ("attention", ("embed_attn", "kv_heads", "kv_head_dim"), ATTN_INPUT),
     ("attention", ("embed_attn", "heads", "kv"), ATTN_INPUT),
     ("attention", ("heads", "kv", "embed_attn"), ATTN_OUT, RESIDUAL),
-    # NNXDecoder.apply_output_head: logits_dense (logits_via_embedding off).
+    # NNXDecoder.apply_output_head: logits_dense (logits_via_embedding off),
+    # and the embedding table (logits_via_embedding on).
     ("decoder", ("embed_vocab", "vocab"), LOGITS_INPUT),
+    ("decoder", EMBEDDING_AXES, LOGITS_INPUT),
 ))
 
 

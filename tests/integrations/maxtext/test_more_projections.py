@@ -1,0 +1,73 @@
+"""Projections beyond MlpBlock's, Attention's and the dense logits, on real
+MaxText: each served one trains to plugin-off's losses with its gradients
+(f32). What is left, with reasons: test_coverage.py."""
+import numpy as np
+
+from maxtext_runs import cached_train
+
+RING = ("--use_collective_matmul", "--collective_matmul_impl=ring")
+STEPS = 3
+TIED = ("logits_via_embedding=True",)
+
+
+def _summary(run):
+  return run.stdout[run.stdout.index("collective matmul summary"):]
+
+
+def _first_moments(run):
+  """Adam's first moment after step 0 of every parameter: (1 - b1) times
+  its gradient (MaxText's first checkpoint is written after step 0)."""
+  moments = {k: v for k, v in run.checkpoint(0).items()
+             if "['mu']" in k and "['params']" in k}
+  assert moments, sorted(run.checkpoint(0))[:20]
+  return moments
+
+
+def test_tied_embedding_logits_are_served_with_the_same_losses_and_gradients():
+  on = cached_train("llama2-7b-tied-f32-ring", dtype="f32", plugin=RING,
+                    steps=STEPS, extra=TIED)
+  off = cached_train("llama2-7b-tied-f32-off", dtype="f32", plugin=(),
+                     steps=STEPS, extra=TIED)
+  (line,) = [l for l in on.decision_lines()
+             if l.startswith("decoder/logits_via_embedding ")]
+  assert "rewritten -> ring over 'tensor_sequence'" in line, line
+  assert "decoder/logits_via_embedding" in _summary(on)
+  assert "logits_dense" not in on.stdout
+  assert any("token_embedder" in k for k in _first_moments(on))
+  # MaxText casts the table to bf16 for the logits (attend_on_embedding), so
+  # their part of its gradient is rounded to bf16: summed in another order
+  # it may round one bf16 step (2**-8 relative) apart.
+  assert_same_training(on, off, bf16_gradients=("token_embedder",))
+
+
+def assert_same_training(on, off, bf16_gradients=()):
+  """Equal f32 losses, and every parameter's gradient of step 0 (those
+  whose key names one of `bf16_gradients` to bf16's precision)."""
+  assert sorted(on.losses) == sorted(off.losses) == list(range(STEPS))
+  for step in on.losses:
+    assert abs(on.losses[step] - off.losses[step]) <= 1e-5 * off.losses[step]
+  a, b = _first_moments(on), _first_moments(off)
+  assert a.keys() == b.keys()
+  for key in a:
+    scale = np.abs(b[key]).max()
+    rtol = 2 ** -7 if any(name in key for name in bf16_gradients) else 1e-4
+    np.testing.assert_allclose(a[key], b[key], rtol=rtol,
+                               atol=rtol * 0.1 * scale, err_msg=key)
+
+
+
+def test_mla_out_projection_is_served_with_the_same_losses_and_gradients():
+  # deepseek's multi-head latent attention: its out projection is
+  # Attention's; its low-rank query and key/value projections are left.
+  on = cached_train("deepseek3-tiny-f32-ring", model="deepseek3-tiny",
+                    dtype="f32", plugin=RING, steps=STEPS)
+  off = cached_train("deepseek3-tiny-f32-off", model="deepseek3-tiny",
+                     dtype="f32", plugin=(), steps=STEPS)
+  (line,) = {l for l in on.decision_lines()
+             if l.startswith("attention/out ")}
+  assert "rewritten -> ring over 'tensor_sequence' (matmul + " in line, line
+  summary = _summary(on)
+  for name in ("attention/wq_a", "attention/wkv_b", "moe/gate", "moe/wo",
+               "moe/shared_experts/wi_0", "mlp/wi_0"):
+    assert name in summary, (name, summary)
+  assert_same_training(on, off)
