@@ -8,10 +8,12 @@ histories it returns as gradients are those Flax's program returns. Only
 the products differ in where they run:
 
 * forward, `q_lhs x q_rhs` (e4m3 x e4m3): the drop-in, which serves an
-  all-gather-then-matmul as a collective matmul;
+  all-gather-then-matmul (or, given the result's layout, a
+  matmul-then-reduce-scatter) as a collective matmul;
 * dgrad, `q_g x q_rhs` (e5m2 x e4m3): the drop-in, told the result's layout
   (the lhs's: its sharding in Explicit mode, its logical axes otherwise),
-  which serves a matmul-then-reduce-scatter as a collective matmul;
+  so an all-gather matmul's dgrad is served as a matmul + reduce-scatter
+  and the other way round;
 * wgrad, `q_g x q_lhs` (e5m2 x e4m3, contracting the rows): XLA's, as in
   Flax's program (a contraction over the rows is neither pattern).
 
