@@ -150,3 +150,23 @@ def test_owners_of_one_kind_nested_are_one_name_part():
   owners = [adapter._Frame("moe", outer), adapter._Frame("moe", routed)]
   assert adapter._projection_name(owners, gate) == "moe/gate"
   assert adapter._projection_name(owners, object()) is None
+
+
+@pytest.mark.parametrize("kernel_axes,attr,says", [
+    (("embed_attn", "q_lora_up_proj"), "wq_a", "low-rank down projection"),
+    (("embed_attn", "kv_lora_up_proj"), "wkv_a", "low-rank down projection"),
+    (("q_lora", "q_heads", "kv"), "wq_b", "already gathered on sequence"),
+    (("kv_lora", "kv_heads", "kv_head_dim"), "wkv_b",
+     "already gathered on sequence"),
+])
+def test_mla_projections_left_say_why_no_collective_matmul_fits(
+    kernel_axes, attr, says):
+  reason, projection, name = _reason(_stack(kernel_axes, owner="attention",
+                                            attr=attr))
+  assert projection is None and name == f"attention/{attr}"
+  assert reason.startswith("multi-head latent attention's") and says in reason
+
+
+def test_every_projection_left_by_name_is_not_also_served():
+  for owner, kernel_axes in projections.LEFT:
+    assert projections.find_projection(owner, kernel_axes) is None

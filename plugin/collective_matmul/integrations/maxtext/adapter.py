@@ -354,8 +354,10 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
             "training)"), None, name
   projection = projections.find_projection(owner.kind, kernel_axes)
   if projection is None:
-    return (f"kernel axes {kernel_axes} are not a known {owner.kind} "
-            "projection"), None, name
+    return projections.LEFT.get(
+        (owner.kind, kernel_axes),
+        f"kernel axes {kernel_axes} are not a known {owner.kind} "
+        "projection"), None, name
   if jnp.ndim(inputs) != len(projection.activation_axes):
     return (f"activation of rank {jnp.ndim(inputs)}, expected "
             f"{projection.activation_axes}"), None, name

@@ -83,6 +83,24 @@ PROJECTIONS = tuple(Projection(*p) for p in (
 ))
 
 
+# Projections the adapter knows and leaves to MaxText, by (owner, kernel
+# axes): why none of the collective matmuls fits them.
+_MLA_DOWN = ("multi-head latent attention's low-rank down projection: its "
+             "weight's output features are not sharded, so it is no "
+             "all-gather matmul (MaxText gathers its small result on "
+             "sequence)")
+_MLA_UP = ("multi-head latent attention's up projection: its input, the "
+           "low-rank latent, is already gathered on sequence (MaxText "
+           "constrains it to activation_length), so there is no all-gather "
+           "to overlap")
+LEFT = {
+    ("attention", ("embed_attn", "q_lora_up_proj")): _MLA_DOWN,
+    ("attention", ("embed_attn", "kv_lora_up_proj")): _MLA_DOWN,
+    ("attention", ("q_lora", "q_heads", "kv")): _MLA_UP,
+    ("attention", ("kv_lora", "kv_heads", "kv_head_dim")): _MLA_UP,
+}
+
+
 def find_projection(owner: str, kernel_axes) -> Projection | None:
   """The served projection of `owner` with these kernel axes, or None."""
   kernel_axes = tuple(kernel_axes)
