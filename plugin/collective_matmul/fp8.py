@@ -42,8 +42,10 @@ from collective_matmul import override
 _E4M3 = jnp.float8_e4m3fn
 _E5M2 = jnp.float8_e5m2
 # Flax's own helpers, used as its fp8 ops use them.
-_to_f32 = fp8_ops._fm32_to_float32  # pylint: disable=protected-access
-_parse_dot_inputs = fp8_ops._parse_dot_inputs  # pylint: disable=protected-access
+# pylint: disable=protected-access
+_to_f32 = fp8_ops._fm32_to_float32
+_parse_dot_inputs = fp8_ops._parse_dot_inputs
+# pylint: enable=protected-access
 
 
 def _transpose_dims(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
