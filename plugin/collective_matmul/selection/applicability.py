@@ -27,9 +27,8 @@ def unsupported_reason(problem: Problem, device: DeviceFacts) -> str | None:
     return f"backend is {device.platform!r}, the kernel needs a CUDA GPU"
   if not device.is_hopper:
     return f"device {device.device_kind!r} is not a Hopper (sm_90a) GPU"
-  reason = (fp8_dispatch_reason(problem.dtype)
-            or configs.dtype_reason(problem.dtype, problem.out_dtype))
-  if reason is not None:
+  reason = configs.dtype_reason(problem.dtype, problem.out_dtype)
+  if reason is not None and fp8_dispatch_reason(problem.dtype) is None:
     return reason
   if min(problem.rows, problem.k, problem.n) <= 0:
     return (f"empty problem m={problem.rows} k={problem.k} "
@@ -42,8 +41,9 @@ def unsupported_reason(problem: Problem, device: DeviceFacts) -> str | None:
 def fp8_dispatch_reason(dtype) -> str | None:
   """Why the kernels do not serve fp8 operands of `dtype`, or None: the
   portable ring and the baseline serve fp8 products; the kernels' fp8 cores
-  are not yet taken by the dispatch, so `auto` takes the fallback and an
-  explicit `pallas` is one."""
+  are not yet taken by the dispatch. On a Hopper GPU `auto` then runs XLA's
+  collective and fp8 GEMM (the baseline, what the program runs without the
+  plugin), never the portable ring; an explicit `pallas` is a fallback."""
   name = np.dtype(dtype).name
   if name.startswith("float8"):
     return (f"fp8 operands ({name}): the kernels' fp8 cores are not "

@@ -168,7 +168,8 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", options.fallback_impl,
                      True), None, "")
-  reason = (applicability.command_buffer_reason(device.platform) or
+  reason = (applicability.fp8_dispatch_reason(problem.dtype) or
+            applicability.command_buffer_reason(device.platform) or
             applicability.process_layout_reason(problem, device))
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
