@@ -170,17 +170,3 @@ def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
     kernels.AllGatherConfig(epi_slots=1)  # 64 x 64 of a 128 x 128 tile.
   with pytest.raises(ValueError, match="1 or 2"):
     kernels.AllGatherConfig(epi_slots=3)
-
-
-def test_wg_stagger_is_validated_and_stored_only_where_set():
-  """`wg_stagger`: warpgroup 1 that many k steps behind warpgroup 0, fewer
-  than the pipeline's slots (the lead warpgroup consumes them alone);
-  left out of the stored fields at its default, so stored configs
-  serialise as before."""
-  staggered = kernels.AllGatherConfig(max_concurrent_steps=3, wg_stagger=2)
-  assert staggered.to_json()["wg_stagger"] == 2
-  assert "wg_stagger" not in kernels.AllGatherConfig().to_json()
-  with pytest.raises(ValueError, match="less than max_concurrent_steps=3"):
-    kernels.ReduceScatterConfig(max_concurrent_steps=3, wg_stagger=3)
-  with pytest.raises(ValueError, match="wg_stagger"):
-    kernels.AllGatherConfig(wg_stagger=-1)

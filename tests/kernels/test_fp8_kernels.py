@@ -41,14 +41,6 @@ ALL_GATHER = {
     "wide_one_slot": AG(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
-    # Warpgroup 1 two k steps behind warpgroup 0 (`wg_stagger`); in the
-    # ring the tiles forward from slots released one step late.
-    "wide_one_slot_staggered": AG(tile_k=128, tile_m=64, tile_n=256,
-                                  wg_dimension="m", epi_tile_m=64,
-                                  epi_tile_n=256, epi_slots=1,
-                                  max_concurrent_steps=3, chain_tiles=True,
-                                  wg_stagger=2),
-    "staggered": AG(tile_k=128, wg_stagger=1),
 }
 REDUCE_SCATTER = {
     "default": RS(tile_k=128),
@@ -58,11 +50,6 @@ REDUCE_SCATTER = {
     "wide_one_slot": RS(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
-    "wide_one_slot_staggered": RS(tile_k=128, tile_m=64, tile_n=256,
-                                  wg_dimension="m", epi_tile_m=64,
-                                  epi_tile_n=256, epi_slots=1,
-                                  max_concurrent_steps=3, chain_tiles=True,
-                                  wg_stagger=2),
 }
 
 
@@ -231,13 +218,7 @@ def _interpreted(kernel, config, layout, a, b, scale):
      dict(rhs_layout="nk"), E4M3),
     (kernels.matmul_reduce_scatter, RS(tile_k=128, **SMALL),
      dict(w_layout="nk"), E5M2),
-    (kernels.all_gather_lhs_matmul,
-     AG(tile_k=128, **dict(SMALL, max_concurrent_steps=3), chain_tiles=True,
-        wg_stagger=2), dict(rhs_layout="nk"), E4M3),
-    (kernels.matmul_reduce_scatter, RS(tile_k=128, **SMALL, wg_stagger=1),
-     dict(w_layout="nk"), E5M2),
-], ids=["all_gather_e4m3", "reduce_scatter_e5m2", "all_gather_staggered",
-        "reduce_scatter_staggered"])
+], ids=["all_gather_e4m3", "reduce_scatter_e5m2"])
 def test_fp8_core_runs_in_interpret_mode(kernel, config, layout, lhs_dtype,
                                          keys):
   """m and n off the tiles (padded), 3 k steps."""

@@ -109,7 +109,7 @@ def cluster_reason(config, axis_size: int) -> str | None:
 # `TileConfig` fields added after configs were first stored (tuned tables,
 # autotune caches, the selection tests' decision grid), with their defaults:
 # `to_json` leaves them out at those defaults.
-LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None, "wg_stagger": 0}
+LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +143,6 @@ class TileConfig:
       block). The kernels take it on a one-device axis only for now (the ring
       schedules do not pair their blocks); the operands are padded to the
       cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
-    wg_stagger: 0 (default: both compute warpgroups start together), or
-      the k steps by which compute warpgroup 1 starts behind warpgroup 0
-      (< `max_concurrent_steps`; with `chain_tiles` the lag carries from
-      tile to tile), so that one warpgroup's epilogue runs while the other
-      still issues wgmmas.
   """
 
   tile_m: int = 128
@@ -162,7 +157,6 @@ class TileConfig:
   chain_tiles: bool = False
   epi_slots: int = 2
   cluster_dimension: MatmulDimension | None = None
-  wg_stagger: int = 0
 
   def __post_init__(self):
     # "m" / "n" (as tuned tables and caches store them) become members.
@@ -188,11 +182,6 @@ class TileConfig:
           f"{self.epi_tile_n} to be the whole tile {self.tile_m}x{self.tile_n}")
     if self.grid_tile_width < 1:
       raise ValueError(f"{self.grid_tile_width=} must be >= 1")
-    if not 0 <= self.wg_stagger < self.max_concurrent_steps:
-      raise ValueError(
-          f"{self.wg_stagger=} must be >= 0 and less than "
-          f"max_concurrent_steps={self.max_concurrent_steps} (the lead "
-          "warpgroup consumes at most that many slots alone)")
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
       raise ValueError(
           f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "

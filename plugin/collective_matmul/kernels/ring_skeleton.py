@@ -432,12 +432,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
                           out_dtype,
                           transforms=swizzled(out_dtype, config.epi_tile_n)),
       **(scratch or {}),
-      **(dict(stagger_barrier=plgpu.Barrier(num_arrivals=1))
-         if config.wg_stagger else {}),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
-    stagger_barrier = scratch_refs.pop("stagger_barrier", None)
     if chained:
       chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
     # Read once per block; every epilogue multiplies by it.
@@ -474,34 +471,15 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
             epilogue(acc_ref)
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
-        if stagger_barrier is not None:
-          (kk,) = idxs
-          stagger_wait(kk)
         # The pipeline waits for the wgmma (`matmul_pipeline`).
         if b_k_major:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].T)
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
-        if stagger_barrier is not None:
-          stagger_release(kk)
         if hooks.k_step is not None:
           (kk,) = idxs
           hooks.k_step(kk, a_smem)
         return acc_ref
-
-      def stagger_wait(kk):
-        """Warpgroup 1's first k step of the block waits until warpgroup
-        0 has issued `wg_stagger` steps (`TileConfig.wg_stagger`)."""
-        @pl.when((loop_info.local_index == 0) & (kk == 0) & (wg_idx == 1))
-        def _wait():
-          plgpu.barrier_wait(stagger_barrier)
-
-      def stagger_release(kk):
-        lead = min(config.wg_stagger, grid.k_iters) - 1
-
-        @pl.when((loop_info.local_index == 0) & (kk == lead) & (wg_idx == 0))
-        def _release():
-          plgpu.barrier_arrive(stagger_barrier)
 
       def matmul(a_rows_ref, row):
         make_pipeline(mma_body, compute_context, n_idx, hooks.before_load,

@@ -56,7 +56,7 @@ FIELD_LIMITS = {
     "tile_k": 128, "max_concurrent_steps": 64, "epi_slots": 2,
     "grid_tile_width": _MAX_STEPS, "send_gap": _MAX_STEPS,
     "sender_sms": DEFAULT_SM_COUNT - 1, "sender_announce_lag": _MAX_STEPS,
-    "send_pieces": _MAX_TILE_SIDE // 8, "wg_stagger": 64,
+    "send_pieces": _MAX_TILE_SIDE // 8,
 }
 
 
