@@ -170,3 +170,26 @@ def test_mla_projections_left_say_why_no_collective_matmul_fits(
 def test_every_projection_left_by_name_is_not_also_served():
   for owner, kernel_axes in projections.LEFT:
     assert projections.find_projection(owner, kernel_axes) is None
+
+
+def test_a_test_layers_own_matmuls_are_recorded_as_left_in_chain_order():
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+
+  class SimpleMlpDecoderLayer:
+    ff_1 = jnp.zeros((16, 64))
+    ff_2 = jnp.zeros((64, 16))
+
+  call = adapter._make_own_matmul_layer_call(lambda self, x: "maxtext",
+                                             weights=("ff_1", "ff_2"))
+  cm.clear_decisions()
+  with cm.config_context(cm.CollectiveMatmulConfig(enabled=True)):
+    assert call(SimpleMlpDecoderLayer(), (X3, None)) == "maxtext"
+  records = cm.decisions()
+  assert [r.name for r in records] == ["SimpleMlpDecoderLayer/ff_1",
+                                       "SimpleMlpDecoderLayer/ff_2"]
+  assert [(r.lhs_shape, r.rhs_shape) for r in records] == [
+      ((2, 8, 16), (16, 64)), ((2, 8, 64), (64, 16))]
+  assert all(not r.rewritten and "own jnp.dot" in r.reason for r in records)
+  cm.clear_decisions()
+  call(SimpleMlpDecoderLayer(), X3)  # Plugin off: nothing recorded.
+  assert cm.decisions() == []

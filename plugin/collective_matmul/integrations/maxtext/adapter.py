@@ -11,7 +11,8 @@ becomes `collective_matmul.logical_dot_general` with the activation's and
 result's logical axes from `projections.PROJECTIONS`; so does the output
 head's tied-embedding logits (`attend_on_embedding`). Everything else takes
 MaxText's own code, and the decision record says why, a MoE block's routed
-experts included (recorded when the block is called). Sibling projections of one activation (Attention's
+experts and the test layers' own matmuls included (recorded when the block
+or layer is called). Sibling projections of one activation (Attention's
 query/key/value in self-attention, MlpBlock's wi_0/wi_1) run as one grouped
 collective matmul at the first one's dot (`_sibling_group`); the later ones'
 dots are served its results. A projection of `quantization=fp8` (Flax's
@@ -97,6 +98,10 @@ _TIED_LOGITS = "decoder/logits_via_embedding"
 # A RoutedMoE's expert weights, [experts, in, out] (`prefuse_moe_weights`:
 # wi holds wi_0 and wi_1).
 _EXPERT_WEIGHTS = ("wi_0", "wi_1", "wi", "wo")
+# MaxText's test decoder layers (`maxtext.models.simple_layer`, decoder_block
+# simple / simple_mlp): their weights, in the order jnp.dot chains them.
+_OWN_MATMUL_LAYERS = {"SimpleDecoderLayer": ("weights",),
+                      "SimpleMlpDecoderLayer": ("ff_1", "ff_2")}
 # The DenseGeneral attributes of an owner that project the same activation,
 # in the order MaxText 0.2.5 calls them: the first one's dot runs the group.
 _SIBLINGS = {"attention": ("query", "key", "value"), "mlp": ("wi_0", "wi_1")}
@@ -290,6 +295,11 @@ def install(allow_untested_version: bool | None = None) -> str:
   _patch(moe.GateLogit, "__call__", owner_call(
       "gate", lambda self, a, kw: None))
   _patch(nnx_decoders, "attend_on_embedding", _make_attend_on_embedding)
+  from maxtext.models import simple_layer  # pylint: disable=g-import-not-at-top
+  for layer, weights in _OWN_MATMUL_LAYERS.items():
+    if hasattr(simple_layer, layer):
+      _patch(getattr(simple_layer, layer), "__call__",
+             functools.partial(_make_own_matmul_layer_call, weights=weights))
   _patch(linears.DenseGeneral, "__call__", owner_call(
       "dense", lambda self, a, kw: None,
       lambda args, kw: {"inputs": argument(args, kw, 0, "inputs")}))
@@ -511,6 +521,28 @@ def _make_routed_moe_call(original):
               f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
               rhs_shape=jnp.shape(weight), dtype=jnp.result_type(inputs))
       return original(self, inputs, *args, **kwargs)
+  call.__wrapped__ = original
+  return call
+
+
+def _make_own_matmul_layer_call(original, weights):
+  """Records a test decoder layer's own jnp.dot matmuls as left."""
+  def call(self, inputs, *args, **kwargs):
+    if config_lib.get_config().enabled:
+      x = inputs[0] if isinstance(inputs, tuple) else inputs
+      lhs_shape = jnp.shape(x)
+      for attr in weights:
+        weight = getattr(self, attr)
+        shape = jnp.shape(weight.get_value() if hasattr(weight, "get_value")
+                          else weight)
+        record.record_not_served(
+            f"{type(self).__name__}/{attr}",
+            "left to MaxText: a test decoder layer's own jnp.dot (no "
+            "DenseGeneral, so no logical axes to serve it with)",
+            lhs_shape=lhs_shape, rhs_shape=shape,
+            dtype=jnp.result_type(x))
+        lhs_shape = (*lhs_shape[:-1], shape[-1])
+    return original(self, inputs, *args, **kwargs)
   call.__wrapped__ = original
   return call
 
