@@ -1,0 +1,25 @@
+"""docs/MAXTEXT_COVERAGE.md is what tools/maxtext_coverage.py finds: a few
+blocks' rows reproduced on real MaxText (the whole sweep is slow on CPU)."""
+import os
+import sys
+
+import pytest
+
+from maxtext_runs import WORK
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+import maxtext_coverage  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+# A MoE block (served attention, the router gate and routed experts left
+# with reasons) and a tied-embedding one (the logits through the table).
+@pytest.mark.parametrize("block", ["mixtral", "gemma"])
+def test_the_sweep_reproduces_the_committed_row(block):
+  committed = maxtext_coverage.committed_rows()
+  assert block in committed, sorted(committed)
+  (spec,) = [b for b in maxtext_coverage.BLOCKS if b.name == block]
+  coverage = maxtext_coverage.run_block(spec, WORK, timeout=900)
+  assert coverage.rewritten is not None, coverage.error
+  assert coverage.row() == committed[block]

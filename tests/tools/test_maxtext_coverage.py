@@ -1,0 +1,90 @@
+"""tools/maxtext_coverage.py without MaxText: its table row is what the
+launcher's closing summary says (tests/integrations/maxtext/test_coverage.py
+runs it on real MaxText)."""
+import os
+import subprocess
+import sys
+
+import collective_matmul as cm
+from collective_matmul.integrations.maxtext import summary
+from collective_matmul.record import Decision
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+import maxtext_coverage  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+CPU = "pallas unavailable: backend is 'cpu', the kernel needs a CUDA GPU"
+BLOCK = maxtext_coverage.Block("mixtral", "mixtral-8x7b", ())
+
+
+def _decision(name, rewritten, reason, collective=None):
+  return Decision(name=name, rewritten=rewritten,
+                  impl="ring" if rewritten else None, reason=reason,
+                  lhs_shape=(8, 128, 256), rhs_shape=(256, 512),
+                  dtype="float32", axis="tensor_sequence" if rewritten
+                  else None, collective=collective)
+
+
+def _stdout(records):
+  text = summary.summary(records, cm.CollectiveMatmulConfig(enabled=True),
+                         "0.2.5", attention_on=False)
+  return f"MaxText's log\n{text}\nI1202 metric_logger.py] completed step: 1\n"
+
+
+def test_the_row_lists_what_the_summary_served_and_left_with_reasons():
+  experts = "left to MaxText: routed experts (jax.lax.ragged_dot): ..."
+  records = [
+      _decision("attention/query", True, CPU, "all_gather"),
+      _decision("attention/out", True, CPU, "reduce_scatter"),
+      _decision("moe/gate", False, "left to MaxText: the router gate ..."),
+      _decision("moe/wi_0", False, experts),
+      _decision("moe/wo", False, experts)]
+  coverage = maxtext_coverage.read_summary(BLOCK, _stdout(records))
+  assert (coverage.rewritten, coverage.total) == (2, 5)
+  assert coverage.served == (
+      "attention/query: ring over 'tensor_sequence'",
+      "attention/out: ring over 'tensor_sequence' (matmul + reduce-scatter)")
+  assert coverage.left == ("moe/gate: left to MaxText: the router gate ...",
+                           f"moe/wi_0, moe/wo: {experts}")
+  assert coverage.row() == (
+      "| `mixtral` | `mixtral-8x7b` | 2 of 5 | attention/query: ring over "
+      "'tensor_sequence'<br>attention/out: ring over 'tensor_sequence' "
+      "(matmul + reduce-scatter) | moe/gate: left to MaxText: the router "
+      f"gate ...<br>moe/wi_0, moe/wo: {experts} |")
+
+
+def test_nothing_left_and_nothing_served_say_none():
+  coverage = maxtext_coverage.read_summary(
+      BLOCK, _stdout([_decision("mlp/wi_0", True, CPU, "all_gather")]))
+  assert coverage.left == () and coverage.row().endswith("| (none) |")
+  coverage = maxtext_coverage.read_summary(
+      BLOCK, _stdout([_decision("mlp/wi_0", False, "excluded")]))
+  assert coverage.served == () and "| 0 of 1 | (none) |" in coverage.row()
+
+
+def test_a_run_without_a_summary_is_a_row_that_says_so():
+  coverage = maxtext_coverage.read_summary(BLOCK, "Traceback ...\n")
+  assert coverage.rewritten is None
+  assert "did not run" in coverage.row() and "no closing summary" in (
+      coverage.row())
+
+
+def test_every_block_is_named_once_and_help_needs_no_maxtext():
+  names = [b.name for b in maxtext_coverage.BLOCKS]
+  assert len(names) == len(set(names))
+  run = subprocess.run([sys.executable, os.path.join(
+      REPO_ROOT, "tools", "maxtext_coverage.py"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+  assert run.returncode == 0 and "usage" in run.stdout.lower()
+  assert all(name in run.stdout for name in names)
+
+
+def test_the_document_reads_back_row_by_block(tmp_path):
+  other = maxtext_coverage.Block("gemma", "gemma-2b", ())
+  coverages = [maxtext_coverage.read_summary(block, _stdout([_decision(
+      "mlp/wi_0", True, CPU, "all_gather")])) for block in (BLOCK, other)]
+  path = tmp_path / "coverage.md"
+  path.write_text(maxtext_coverage.document(coverages))
+  rows = maxtext_coverage.committed_rows(str(path))
+  assert rows == {"mixtral": coverages[0].row(), "gemma": coverages[1].row()}

@@ -1,0 +1,295 @@
+"""Which matmuls of each MaxText decoder block the plugin serves, on CPU.
+
+Trains a tiny model per MaxText decoder block through the launcher
+(`python -m collective_matmul.integrations.maxtext`, plugin on) on 8
+emulated CPU devices (data 2 x tensor-sequence 4), reads its closing summary
+and writes one markdown table: per block, the projections rewritten, the
+ones left to MaxText and why.
+
+    python tools/maxtext_coverage.py                  # every block
+    python tools/maxtext_coverage.py --blocks llama2,mixtral --out table.md
+
+Needs MaxText (Python 3.12, `.[maxtext]`). A run that fails is a row that
+says so, with MaxText's last line.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "docs", "MAXTEXT_COVERAGE.md")
+
+# Every model: 8 emulated devices, the README's mesh, a few steps.
+COMMON = (
+    "hardware=cpu", "skip_jax_distributed_system=True",
+    "dataset_type=synthetic", "override_model_config=True",
+    "vocab_size=1024", "max_target_length=128", "per_device_batch_size=1",
+    "steps=2", "enable_checkpointing=False", "log_config=False",
+    "ici_data_parallelism=2", "ici_tensor_sequence_parallelism=4",
+    "dtype=float32", "weight_dtype=float32", "matmul_precision=highest",
+    # Tiny models replicate more of their (small) parameters than MaxText's
+    # check allows by default; it changes nothing in the program.
+    "sharding_tolerance=0.5")
+
+
+def _small(**changes):
+  """A small transformer: width 256, 8 query and 4 key/value heads of 32."""
+  keys = dict(base_emb_dim=256, base_mlp_dim=512, base_num_query_heads=8,
+              base_num_kv_heads=4, head_dim=32)
+  return tuple(f"{k}={v}" for k, v in {**keys, **changes}.items())
+
+
+SMALL = _small()
+# Routed experts, few and small; ragged_dot (megablox interprets its Pallas
+# kernel on CPU, slowly).
+MOE = ("num_experts=4", "base_moe_mlp_dim=512", "megablox=False")
+TOP2 = ("num_experts_per_tok=2",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One MaxText decoder block and the tiny model that exercises it."""
+
+  name: str  # MaxText's `decoder_block`.
+  model: str  # A MaxText model config (`model_name`) with that block.
+  overrides: tuple[str, ...]
+  # Why the block is not trained here, when it cannot be on this mesh.
+  skip: str = ""
+
+
+def _layers(n):
+  return (f"base_num_decoder_layers={n}",)
+
+
+BLOCKS = (
+    Block("default", "default", (*SMALL, *_layers(2))),
+    Block("llama2", "llama2-7b", (*SMALL, *_layers(2))),
+    Block("mistral", "mistral-7b", (*SMALL, *_layers(2))),
+    Block("mixtral", "mixtral-8x7b", (*SMALL, *MOE, *TOP2, *_layers(2))),
+    Block("deepseek", "deepseek3-tiny", (
+        *_small(base_num_kv_heads=8), *MOE, *TOP2, *_layers(2),
+        "first_num_dense_layers=1", "q_lora_rank=64", "kv_lora_rank=32",
+        "qk_nope_head_dim=32", "qk_rope_head_dim=16", "v_head_dim=32",
+        "shared_experts=1")),
+    Block("gemma", "gemma-2b", (*SMALL, *_layers(2))),
+    Block("gemma2", "gemma2-2b", (*SMALL, *_layers(2))),
+    Block("gemma3", "gemma3-4b", (*SMALL, *_layers(6))),
+    Block("gemma4", "gemma4-26b", (*SMALL, *MOE, *TOP2, *_layers(6),
+                                   "global_head_dim=64",
+                                   "global_num_kv_heads=4")),
+    # Two layers share key/value: each reuses its type's last unshared one
+    # (5 local, then 1 global: 12 layers give each type one).
+    Block("gemma4_small", "gemma4-e2b", (
+        *SMALL, *_layers(12), "global_head_dim=64", "global_num_kv_heads=4",
+        "scan_layers=False", "hidden_size_per_layer_input=32",
+        "vocab_size_per_layer_input=1024", "num_kv_shared_layers=2")),
+    Block("qwen2", "qwen2.5-1.5b", (*SMALL, *_layers(2))),
+    Block("qwen3", "qwen3-0.6b", (*SMALL, *_layers(2))),
+    Block("qwen3_moe", "qwen3-30b-a3b", (*SMALL, *MOE, *TOP2, *_layers(2))),
+    Block("qwen3_custom_moe", "qwen3-custom-30b-a3b",
+          (*SMALL, *MOE, *TOP2, *_layers(2))),
+    Block("qwen3_next", "qwen3-next-80b-a3b", (
+        *SMALL, *MOE, *TOP2, *_layers(4), "gdn_key_head_dim=32",
+        "gdn_value_head_dim=32", "gdn_num_key_heads=4",
+        "gdn_num_value_heads=8")),
+    # Its multimodal rotary sections need a rotary dimension of 64.
+    Block("qwen3_5", "qwen3.5-35b-a3b", (
+        *_small(head_dim=256), *MOE, *TOP2, *_layers(4), "gdn_key_head_dim=32",
+        "gdn_value_head_dim=32", "gdn_num_key_heads=4",
+        "gdn_num_value_heads=8")),
+    Block("gpt3", "gpt3-52k", (*_small(base_num_kv_heads=8), *_layers(2))),
+    Block("gpt_oss", "gpt-oss-20b", (*SMALL, *MOE, *TOP2, *_layers(2))),
+    Block("simple", "default", (*SMALL, *_layers(2), "decoder_block=simple")),
+    Block("simple_mlp", "default", (*SMALL, *_layers(2),
+                                    "decoder_block=simple_mlp")),
+    Block("llama4", "llama4-17b-16e", (*SMALL, *MOE, "num_experts_per_tok=1",
+                                       *_layers(4))),
+    Block("olmo3", "olmo3-7b", (*SMALL, *_layers(4))),
+    Block("deepseek4", "deepseek4-tiny", (*SMALL, *MOE, *TOP2, *_layers(4),
+                                         "attention=dot_product"),
+          skip="its compressed attention takes one key/value head, which "
+          "tensor_sequence=4 cannot shard (with 4 heads MaxText's attention "
+          "fails, plugin off too)"),
+    Block("envy", "envy-test", (*SMALL, *MOE, *TOP2, *_layers(2))),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+  """What the launcher's closing summary said of one block's model."""
+
+  block: Block
+  rewritten: int | None = None  # None: the run failed.
+  total: int | None = None
+  served: tuple[str, ...] = ()  # "names: how" per kind of rewrite.
+  left: tuple[str, ...] = ()  # "names: reason" per reason.
+  error: str = ""
+
+  def row(self) -> str:
+    cells = [f"`{self.block.name}`", f"`{self.block.model}`"]
+    if self.rewritten is None:
+      cells += ["did not run", "", _escape(self.error)]
+    else:
+      cells += [f"{self.rewritten} of {self.total}",
+                "<br>".join(map(_escape, self.served)) or "(none)",
+                "<br>".join(map(_escape, self.left)) or "(none)"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _escape(text: str) -> str:
+  return text.replace("|", "\\|")
+
+
+_HEAD = re.compile(r"^  rewritten: (\d+) of (\d+) projections$")
+_SERVED = re.compile(r"^    -> (.*?): (.*?)(?: \((.*)\))?$")
+
+
+def read_summary(block: Block, stdout: str) -> Coverage:
+  """The coverage the closing summary in `stdout` reports."""
+  lines = stdout.splitlines()
+  start = next((i for i, line in enumerate(lines)
+                if line.startswith("collective matmul summary")), None)
+  if start is None:
+    return Coverage(block, error="no closing summary")
+  rewritten = total = None
+  served, left, section = [], [], None
+  for line in lines[start + 1:]:
+    if not line.startswith("  "):
+      break
+    head = _HEAD.match(line)
+    if head:
+      rewritten, total, section = int(head[1]), int(head[2]), "served"
+    elif line.startswith("  left to MaxText / XLA"):
+      section = "left"
+    elif line.startswith("    ") and section == "served":
+      how = _SERVED.match(line)
+      served.append(f"{how[2]}: {how[1]}")
+    elif line.startswith("    ") and section == "left":
+      left.append(line.strip())
+    else:
+      section = None
+  return Coverage(block, rewritten, total, tuple(served), tuple(left))
+
+
+def run_block(block: Block, workdir: str, python: str = sys.executable,
+              timeout: int = 1800) -> Coverage:
+  """Trains `block`'s tiny model through the launcher, plugin on."""
+  if block.skip:
+    return Coverage(block, error=f"not run: {block.skip}")
+  import maxtext  # pylint: disable=g-import-not-at-top
+  base = os.path.join(os.path.dirname(maxtext.__file__), "configs",
+                      "base.yml")
+  argv = [python, "-m", "collective_matmul.integrations.maxtext", base,
+          f"run_name={block.name}", f"base_output_directory={workdir}",
+          f"model_name={block.model}", *COMMON, *block.overrides,
+          "--use_collective_matmul"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.join(REPO_ROOT, "plugin"), env.get("PYTHONPATH", "")])
+  try:
+    run = subprocess.run(argv, capture_output=True, text=True, env=env,
+                         timeout=timeout, cwd=workdir)
+  except subprocess.TimeoutExpired:
+    return Coverage(block, error=f"timed out after {timeout} s")
+  if run.returncode != 0:
+    lines = [l.strip() for l in run.stderr.splitlines() if l.strip()]
+    errors = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)
+              or "error" in l.lower()]
+    last = (errors or lines or [f"exit status {run.returncode}"])[-1]
+    return Coverage(block, error=last[:300])
+  return read_summary(block, run.stdout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+  """A row kept from an earlier table (`--merge`)."""
+
+  text: str
+
+  def row(self) -> str:
+    return self.text
+
+
+def committed_rows(path: str = DEFAULT_OUT) -> dict[str, str]:
+  """The rows of the table at `path`, by block name."""
+  with open(path) as f:
+    return {line.split("|")[1].strip().strip("`"): line.rstrip("\n")
+            for line in f if line.startswith("| `")}
+
+
+def table(coverages) -> str:
+  """The markdown table of `coverages`, one row per block."""
+  head = ["| block | model | rewritten | served | left to MaxText / XLA, "
+          "and why |", "|---|---|---|---|---|"]
+  return "\n".join(head + [c.row() for c in coverages]) + "\n"
+
+
+def document(coverages) -> str:
+  setup = " ".join(COMMON)
+  return f"""# MaxText coverage
+
+What the plugin serves in each MaxText decoder block: a tiny model per
+block trained through the launcher with the plugin on
+(`--use_collective_matmul`), on 8 emulated CPU devices. Generated by
+`python tools/maxtext_coverage.py` (MaxText 0.2.5, Python 3.12); CI
+reproduces a few rows (`tests/integrations/maxtext/test_coverage.py`).
+
+"rewritten N of M" is the launcher's closing summary: M counts every kind
+of weight matmul the model runs (each projection once, however many layers
+run it), N those rewritten as a collective matmul (on CPU the ring; on
+Hopper GPUs the Pallas kernels where they apply). Every matmul left names
+its reason.
+
+Common settings: `{setup}`; per block the model's own config, shrunk
+(`tools/maxtext_coverage.py`, `BLOCKS`).
+
+{table(coverages)}"""
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--blocks", default="",
+                      help="comma-separated decoder blocks (default: all "
+                      f"{len(BLOCKS)}: {', '.join(b.name for b in BLOCKS)})")
+  parser.add_argument("--out", default=DEFAULT_OUT,
+                      help="where to write the markdown (default: %(default)s)")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="blocks trained at once (default: %(default)s)")
+  parser.add_argument("--merge", action="store_true",
+                      help="keep --out's rows of the blocks not run")
+  args = parser.parse_args(argv)
+  wanted = [b for b in args.blocks.split(",") if b]
+  known = {b.name: b for b in BLOCKS}
+  unknown = [b for b in wanted if b not in known]
+  if unknown:
+    parser.error(f"unknown blocks {unknown}; known: {', '.join(known)}")
+  blocks = [known[b] for b in wanted] if wanted else list(BLOCKS)
+  workdir = tempfile.mkdtemp(prefix="cm_coverage_")
+  coverages = []
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    for coverage in pool.map(lambda b: run_block(b, workdir), blocks):
+      print(coverage.row(), flush=True)
+      coverages.append(coverage)
+  if args.merge and os.path.exists(args.out):
+    kept = committed_rows(args.out)
+    ran = {c.block.name: c.row() for c in coverages}
+    rows = [ran.get(b.name, kept.get(b.name)) for b in BLOCKS]
+    coverages = [_Row(row) for row in rows if row]
+  with open(args.out, "w") as f:
+    f.write(document(coverages))
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
