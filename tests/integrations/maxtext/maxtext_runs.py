@@ -28,6 +28,10 @@ MODELS = {
     "mistral-7b": ("base_emb_dim=256", "base_mlp_dim=512",
                    "base_num_query_heads=8", "base_num_kv_heads=4",
                    "head_dim=32"),
+    # gpt3's own attention class, fused query/key/value.
+    "gpt3-52k": ("base_emb_dim=256", "base_mlp_dim=512",
+                 "base_num_query_heads=8", "base_num_kv_heads=8",
+                 "head_dim=32"),
     # MLA attention; one dense layer, then a MoE layer with shared experts.
     "deepseek3-tiny": ("base_emb_dim=256", "base_mlp_dim=512",
                        "base_num_query_heads=8", "base_num_kv_heads=8",

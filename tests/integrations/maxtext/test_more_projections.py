@@ -71,3 +71,18 @@ def test_mla_out_projection_is_served_with_the_same_losses_and_gradients():
                "moe/shared_experts/wi_0", "mlp/wi_0"):
     assert name in summary, (name, summary)
   assert_same_training(on, off)
+
+
+def test_gpt3_out_projection_is_served_with_the_same_losses_and_gradients():
+  # gpt3's own attention class: its out projection is Attention's; its
+  # fused query/key/value projection reads an input already gathered.
+  on = cached_train("gpt3-52k-f32-ring", model="gpt3-52k", dtype="f32",
+                    plugin=RING, steps=STEPS)
+  off = cached_train("gpt3-52k-f32-off", model="gpt3-52k", dtype="f32",
+                     plugin=(), steps=STEPS)
+  (line,) = {l for l in on.decision_lines()
+             if l.startswith("attention/out ")}
+  assert "rewritten -> ring over 'tensor_sequence' (matmul + " in line, line
+  assert "attention/qkv_proj: left to MaxText: gpt3's fused" in (
+      _summary(on))
+  assert_same_training(on, off, bf16_gradients=("token_embedder",))

@@ -285,6 +285,11 @@ def install(allow_untested_version: bool | None = None) -> str:
     _patch(attention_class, "__call__", owner_call(
         "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
         attention_details))
+  # gpt3's own attention class: one input, always self-attention.
+  from maxtext.models import gpt3  # pylint: disable=g-import-not-at-top
+  _patch(gpt3.Gpt3MultiHeadAttention, "__call__", owner_call(
+      "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
+      lambda args, kwargs: {"self_attention": True}))
   _patch(nnx_decoders.NNXDecoder, "apply_output_head", owner_call(
       "decoder",
       lambda self, a, kw: argument(a, kw, 3, "model_mode") or _TRAIN))

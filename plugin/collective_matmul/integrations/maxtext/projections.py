@@ -93,7 +93,11 @@ _MLA_UP = ("multi-head latent attention's up projection: its input, the "
            "low-rank latent, is already gathered on sequence (MaxText "
            "constrains it to activation_length), so there is no all-gather "
            "to overlap")
+_GPT3_QKV = ("gpt3's fused query/key/value projection: its attention "
+             "constrains the input to activation_length first, gathered on "
+             "sequence, so there is no all-gather left to overlap")
 LEFT = {
+    ("attention", ("embed_attn", "qkv", "heads", "kv")): _GPT3_QKV,
     ("attention", ("embed_attn", "q_lora_up_proj")): _MLA_DOWN,
     ("attention", ("embed_attn", "kv_lora_up_proj")): _MLA_DOWN,
     ("attention", ("q_lora", "q_heads", "kv")): _MLA_UP,
