@@ -193,3 +193,30 @@ def test_a_test_layers_own_matmuls_are_recorded_as_left_in_chain_order():
   cm.clear_decisions()
   call(SimpleMlpDecoderLayer(), X3)  # Plugin off: nothing recorded.
   assert cm.decisions() == []
+
+
+def test_a_decoder_layers_own_projections_are_served_and_named_by_it():
+  # gemma4_small: the per-layer input gate and projection.
+  for axes, attr, collective in ((("embed", "mlp"), "per_layer_input_gate",
+                                  "all_gather"),
+                                 (("mlp", "embed"), "per_layer_projection",
+                                  "reduce_scatter")):
+    reason, projection, name = _reason(_stack(axes, owner="layer",
+                                              attr=attr))
+    assert reason is None and name == f"layer/{attr}"
+    assert projection.collective == collective
+
+
+def test_a_layer_owner_is_not_part_of_nested_projections_names():
+  stack = _stack(("embed", "mlp"))
+  layer = types.SimpleNamespace(mlp=stack[0].module)
+  stack.insert(0, adapter._Frame("layer", layer, "train"))
+  _, projection, name = _reason(stack)
+  assert name == "mlp/wi_0" and projection is not None
+
+
+def test_a_dense_inside_a_layer_but_not_its_own_is_left():
+  stack = _stack(("embed", "mlp"), owner="layer")
+  stack[0] = adapter._Frame("layer", types.SimpleNamespace(), "train")
+  reason, projection, _ = _reason(stack)
+  assert projection is None and "not one of its own projections" in reason

@@ -113,7 +113,9 @@ class MaxTextVersionError(RuntimeError):
 
 @dataclasses.dataclass
 class _Frame:
-  kind: str  # "mlp", "attention", "decoder", "moe", "gate" or "dense".
+  # "mlp", "attention", "decoder", "moe", "gate", "layer" (a decoder layer
+  # that owns projections itself) or "dense".
+  kind: str
   module: Any
   model_mode: str | None = None
   # "dense": the array DenseGeneral was called with.
@@ -285,6 +287,11 @@ def install(allow_untested_version: bool | None = None) -> str:
     _patch(attention_class, "__call__", owner_call(
         "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
         attention_details))
+  # gemma4_small's decoder layer owns its per-layer input projections.
+  from maxtext.models import gemma4_small  # pylint: disable=g-import-not-at-top
+  _patch(gemma4_small.Gemma4SmallDecoderLayer, "__call__", owner_call(
+      "layer", lambda self, a, kw: argument(a, kw, 4, "model_mode") or (
+          getattr(self, "model_mode", None) or _TRAIN)))
   # gpt3's own attention class: one input, always self-attention.
   from maxtext.models import gpt3  # pylint: disable=g-import-not-at-top
   _patch(gpt3.Gpt3MultiHeadAttention, "__call__", owner_call(
@@ -331,6 +338,8 @@ def _projection_name(owners, module) -> str | None:
   attribute in the innermost ("mlp/wi_0"; a mixture-of-experts block's
   shared experts: "moe/shared_experts/wi_0"); None when the innermost owner
   does not hold it."""
+  # A decoder layer names only the projections it owns itself.
+  owners = [f for f in owners[:-1] if f.kind != "layer"] + owners[-1:]
   if not owners:
     return None
   parts = [owners[0].kind]
@@ -367,6 +376,9 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if owner.model_mode != _TRAIN:
     return (f"model_mode={owner.model_mode!r} (the adapter serves "
             "training)"), None, name
+  if owner.kind == "layer" and _attribute_name(owner.module, dense) is None:
+    return (f"kernel axes {kernel_axes}: inside a decoder layer, not one of "
+            "its own projections"), None, name
   projection = projections.find_projection(owner.kind, kernel_axes)
   if projection is None:
     return projections.LEFT.get(

@@ -80,6 +80,11 @@ PROJECTIONS = tuple(Projection(*p) for p in (
     # and the embedding table (logits_via_embedding on).
     ("decoder", ("embed_vocab", "vocab"), LOGITS_INPUT),
     ("decoder", EMBEDDING_AXES, LOGITS_INPUT),
+    # gemma4_small's decoder layer: the per-layer input gate from the
+    # residual stream, and the projection of the gated per-layer input back
+    # into it.
+    ("layer", ("embed", "mlp"), RESIDUAL),
+    ("layer", ("mlp", "embed"), MLP_HIDDEN, RESIDUAL),
 ))
 
 
