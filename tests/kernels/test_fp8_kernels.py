@@ -8,7 +8,7 @@ the weight K-major (`[n, k]`), a per-tensor f32 scale, bf16 results.
   the one GPU lent, so lowering is what checks them before a GPU does.
 - Run in Mosaic GPU's interpret mode at D = 1 (JAX >= 0.12, which
   interprets fp8 wgmma), against an f32 product of the same fp8 values.
-tests/gpu/test_fp8_kernels.py checks the numerics on Hopper.
+tests/gpu/test_fp8_kernels_gpu.py checks the numerics on Hopper.
 """
 import functools
 import re
