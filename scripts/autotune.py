@@ -1,7 +1,7 @@
 """Autotune the Hopper kernel for local shapes and cache the winners on disk.
 
   python scripts/autotune.py --shapes 1024/4096/4096 4096/8192/7168 [--dtype bf16]
-  python scripts/autotune.py --pattern reduce_scatter --shapes 1024/4096/4096
+  python scripts/autotune.py --collective reduce_scatter --shapes 1024/4096/4096
   python scripts/autotune.py --shapes 8192/4096/11008 --rounds 5  # finalists
 
   python scripts/autotune.py --plan 2 --shapes 1024/4096/4096  # no GPU
@@ -40,14 +40,14 @@ def parse_shape(text):
   return bench_plan.parse_shape(text)[:3]
 
 
-def ring_reference(pattern):
+def ring_reference(collective):
   """The portable ring the sweep checks every candidate against (impl
   "ring" of the op), in shard_map over "x"."""
   import functools  # pylint: disable=g-import-not-at-top
   import collective_matmul as cm  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   op, out_spec = ((cm.all_gather_matmul, P(None, "x"))
-                  if pattern == "all_gather" else
+                  if collective == "all_gather" else
                   (cm.matmul_reduce_scatter, P("x", None)))
   return jax.shard_map(functools.partial(op, axis_name="x", impl="ring"),
                        out_specs=out_spec, check_vma=False)
@@ -60,15 +60,15 @@ def plan_calls(args, d):
   calls = []
   for text in args.shapes:
     m, k, n = parse_shape(text)
-    candidates = [bench_plan.ring_call(f"{args.pattern} {text} #{i}",
-                                       args.pattern, config, m, k, n, d,
+    candidates = [bench_plan.ring_call(f"{args.collective} {text} #{i}",
+                                       args.collective, config, m, k, n, d,
                                        dtype)
                   for i, config in enumerate(autotuning.candidate_configs(
-                      args.pattern, selection.Problem(m, k, n, dtype, d),
+                      args.collective, selection.Problem(m, k, n, dtype, d),
                       device=bench_plan.planned_device(devices=d)))]
     calls += candidates
     calls.append(bench_plan.FnCall(
-        f"{args.pattern} {text} ring", ring_reference(args.pattern),
+        f"{args.collective} {text} ring", ring_reference(args.collective),
         candidates[0].shapes, candidates[0].in_specs, d, dtype))
   return calls
 
@@ -84,8 +84,8 @@ def main():
                       "times round-robin and keep the best median (one "
                       "reading each cannot rank configs a few %% apart)")
   parser.add_argument("--finalists", type=int, default=3)
-  parser.add_argument("--pattern", default="all_gather",
-                      choices=list(autotuning.PATTERNS),
+  parser.add_argument("--collective", "--pattern", default="all_gather",
+                      choices=list(autotuning.COLLECTIVES),
                       help="which kernel: all_gather (shapes: shard m/k/n) "
                       "or reduce_scatter (m rows after the scatter/k/n)")
   parser.add_argument("--plan", type=int, default=None, metavar="D",
@@ -117,7 +117,7 @@ def main():
     problem = selection.Problem(m, k, n, dtype, jax.device_count())
     best, results = autotuning.autotune(problem, mesh, "x",
                                         iterations=args.iterations,
-                                        pattern=args.pattern,
+                                        collective=args.collective,
                                         rounds=args.rounds,
                                         finalists=args.finalists)
     for name, us in sorted(results.items(), key=lambda kv: kv[1])[:5]:

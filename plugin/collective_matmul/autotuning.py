@@ -5,7 +5,7 @@ shape (CUPTI kernel time, minimum over devices per kernel, summed), checks
 each result against the `ring` implementation, and stores the fastest in the
 cache that `selection.config_for` reads first (keyed by device kind, dtype,
 D and local shape). Needs the GPUs of the ring; run it once per shape.
-Tunes either kernel (`pattern`); the two kernels' cache entries are keyed
+Tunes either kernel (`collective`); the two kernels' cache entries are keyed
 apart, so a tuned all-gather config never changes the reduce-scatter
 kernel and vice versa.
 """
@@ -27,7 +27,7 @@ from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 
 
-PATTERNS = selection.CACHE_PATTERNS
+COLLECTIVES = selection.CACHE_COLLECTIVES
 
 # What a candidate that does not fit in shared memory raises (all
 # ValueError): Mosaic GPU's launch check (jax/experimental/mosaic/gpu/
@@ -46,9 +46,9 @@ def does_not_fit(error: BaseException) -> bool:
       needle in str(error) for needle in SHARED_MEMORY_ERRORS)
 
 
-def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
+def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
                       problem: selection.Problem | None = None, device=None):
-  """The configurations autotuning tries for `pattern` (for `problem`'s
+  """The configurations autotuning tries for `collective` (for `problem`'s
   dtypes; without a problem, for bf16).
 
   All-gather: with the problem given, the heuristic's own choice
@@ -66,8 +66,8 @@ def candidate_configs(pattern: Collective | str = Collective.ALL_GATHER,
   `selection.DeviceFacts` the choices read (None: this machine's; a plan
   on CPU passes those of the GPU it stands for).
   """
-  pattern = Collective.parse(pattern, "pattern")
-  if pattern == Collective.ALL_GATHER:
+  collective = Collective.parse(collective, "collective")
+  if collective == Collective.ALL_GATHER:
     seen = set()
     for config in _all_gather_candidates(problem, device):
       if config not in seen:
@@ -163,7 +163,7 @@ def _final_rounds(finalists, operands, rounds, iterations, results):
 
 def autotune(problem: selection.Problem, mesh, axis_name: str, *,
              configs=None, iterations: int = 5, store: bool = True,
-             pattern: Collective | str = Collective.ALL_GATHER,
+             collective: Collective | str = Collective.ALL_GATHER,
              rounds: int = 1, finalists: int = 3):
   """Finds the fastest correct config for one kernel and local shape.
 
@@ -178,7 +178,7 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
     configs: candidates (default `candidate_configs()`).
     iterations: timed runs per candidate.
     store: write the winner to the cache.
-    pattern: "all_gather" or "reduce_scatter": which kernel.
+    collective: "all_gather" or "reduce_scatter": which kernel.
     rounds, finalists: with rounds > 1, the `finalists` fastest candidates
       of the sweep are timed `rounds - 1` more times, round-robin, and the
       winner is the best median over all its rounds. One reading each
@@ -192,14 +192,14 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
   if rounds < 1 or finalists < 1:
     raise ValueError(f"rounds={rounds} and finalists={finalists} must be "
                      ">= 1")
-  pattern = Collective.parse(pattern, "pattern")
+  collective = Collective.parse(collective, "collective")
   d = mesh.shape[axis_name]
   if problem.axis_size != d:
     raise ValueError(f"the problem's axis size {problem.axis_size} is not "
                      f"that of mesh axis {axis_name!r} ({d})")
   m, k, n, dtype = problem.rows, problem.k, problem.n, problem.dtype
   key = jax.random.key(0)
-  if pattern == Collective.ALL_GATHER:
+  if collective == Collective.ALL_GATHER:
     shapes = ((d * m, k), (k, d * n))
     specs = (P(axis_name, None), P(None, axis_name), P(None, axis_name))
     op = ops.all_gather_matmul
@@ -223,7 +223,7 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
     ref = np.asarray(build(Impl.RING)(a, b), np.float32)
     results, best, timed = {}, None, []
     if configs is None:
-      configs = list(candidate_configs(pattern, problem))
+      configs = list(candidate_configs(collective, problem))
     for config in configs:
       start = time.time()
       f = build(Impl.PALLAS, config)
@@ -243,8 +243,8 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
         continue
       results[repr(config)] = us
       timed.append((us, config, f))
-      logging.info("autotune %s %dx%dx%d D=%d: %.1f us %s (%.1f s)", pattern,
-                   m, k, n, d, us, config, time.time() - start)
+      logging.info("autotune %s %dx%dx%d D=%d: %.1f us %s (%.1f s)",
+                   collective, m, k, n, d, us, config, time.time() - start)
       if best is None or us < best[0]:
         best = (us, config)
     if best is not None and rounds > 1:
@@ -255,6 +255,6 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
   if store:
     path = selection.store_cached_config(
         best[1], problem, selection.device_facts().device_kind,
-        pattern=pattern)
+        collective=collective)
     logging.info("autotune: stored %s in %s", best[1], path)
   return best[1], results

@@ -69,9 +69,9 @@ def test_selection_takes_strings_at_its_boundary(monkeypatch):
   assert plan.impl is Impl.PALLAS and plan.backward_impl is Impl.RING
   with pytest.raises(ValueError, match="collective='all_reduce'"):
     selection.choose("ring", "all_reduce", problem, hopper)
-  with pytest.raises(ValueError, match="pattern='matmul'"):
+  with pytest.raises(ValueError, match="collective='matmul'"):
     selection.cache_key(selection.Problem(1, 2, 3, "bfloat16", 2), "H100",
-                        pattern="matmul")
+                        collective="matmul")
 
 
 @pytest.mark.parametrize("name", ["wg_dimension", "grid_minor_dim",

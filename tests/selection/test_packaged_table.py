@@ -95,7 +95,7 @@ def test_entry(entry):
   axis_size = int(d.removeprefix("D="))
   problem = selection.Problem(m, k, n, dtype, axis_size)
   assert selection.cache_key(problem, kind, pattern) == entry["key"]
-  config = selection.packaged_config(problem, kind, pattern=pattern)
+  config = selection.packaged_config(problem, kind, collective=pattern)
   assert type(config) is {  # pylint: disable=unidiomatic-typecheck
       "all_gather": configs.AllGatherConfig,
       "reduce_scatter": configs.ReduceScatterConfig}[pattern]
@@ -155,7 +155,8 @@ def test_cache_beats_table_beats_heuristic(monkeypatch, pattern):
   assert _source(problem, pattern) == selection.HEURISTIC == "heuristic"
   measured = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 5)
   tuned = dataclasses.replace(heuristic, send_gap=heuristic.send_gap + 7)
-  key = selection.cache_key(selection.Problem(*problem), KIND, pattern=pattern)
+  key = selection.cache_key(selection.Problem(*problem), KIND,
+                            collective=pattern)
   _with_table(monkeypatch, {key: measured})
   assert select(*problem, H200) == measured
   assert _source(problem, pattern) == selection.PACKAGED_TABLE == (
@@ -169,7 +170,7 @@ def test_cache_beats_table_beats_heuristic(monkeypatch, pattern):
   assert _source(problem, pattern, device=selection.device_facts()) == (
       "heuristic")  # This CPU.
   selection.store_cached_config(tuned, selection.Problem(*problem), KIND,
-                                pattern=pattern)
+                                collective=pattern)
   assert select(*problem, H200) == tuned
   assert _source(problem, pattern) == selection.AUTOTUNE_CACHE == (
       "autotune cache")
@@ -191,7 +192,7 @@ def test_a_table_entry_that_does_not_fit_falls_through(monkeypatch):
 def test_a_fitting_table_entry_loses_stages_for_a_float32_output(monkeypatch):
   problem = (1024, 4096, 4096, "bfloat16", 2)
   key = selection.cache_key(selection.Problem(*problem), KIND,
-                            pattern="reduce_scatter")
+                            collective="reduce_scatter")
   _with_table(monkeypatch, {})
   entry = selection.select_reduce_scatter_config(*problem, H200)
   _with_table(monkeypatch, {key: entry})

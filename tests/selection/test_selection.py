@@ -216,12 +216,12 @@ def test_cache_entries_of_the_two_kernels_never_mix(_private_cache):
                                                 2, H200) == heuristic_rs
   tuned_rs = dataclasses.replace(heuristic_rs, send_gap=16)
   selection.store_cached_config(tuned_rs, problem, kind,
-                                pattern="reduce_scatter")
+                                collective="reduce_scatter")
   assert selection.select_reduce_scatter_config(m, k, n, "bfloat16",
                                                 2, H200) == tuned_rs
   assert selection.select_config(m, k, n, "bfloat16", 2, H200) == tuned_ag
-  with pytest.raises(ValueError, match="pattern"):
-    selection.cache_key(problem, "H100", pattern="matmul")
+  with pytest.raises(ValueError, match="collective"):
+    selection.cache_key(problem, "H100", collective="matmul")
 
 
 def test_corrupt_cache_is_ignored(_private_cache):
@@ -285,9 +285,9 @@ def test_all_gather_candidates_for_a_shape_start_with_its_default(shape):
     assert default.sender_sms == 16 and default not in grid
 
 
-def test_autotune_candidates_reject_an_unknown_pattern():
+def test_autotune_candidates_reject_an_unknown_collective():
   from collective_matmul import autotuning
-  with pytest.raises(ValueError, match="pattern"):
+  with pytest.raises(ValueError, match="collective"):
     list(autotuning.candidate_configs("all_reduce"))
   with pytest.raises(ValueError, match="need the problem"):
     list(autotuning.candidate_configs("reduce_scatter"))

@@ -19,9 +19,9 @@ def _autotune(*args):
       env=env)
 
 
-@pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
-def test_a_sweep_without_hopper_gpus_is_one_line_and_a_failure(pattern):
-  run = _autotune("--pattern", pattern, "--shapes", "256/512/512")
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_a_sweep_without_hopper_gpus_is_one_line_and_a_failure(collective):
+  run = _autotune("--collective", collective, "--shapes", "256/512/512")
   assert run.returncode == 1, (run.stdout[-2000:], run.stderr[-2000:])
   lines = (run.stdout + run.stderr).strip().splitlines()
   assert len(lines) == 1, lines

@@ -268,7 +268,7 @@ def test_autotune_plans_every_candidate_of_the_sweep(pattern):
   from collective_matmul import selection  # pylint: disable=g-import-not-at-top
   autotune = import_script("autotune")
   plan = _plan()
-  args = argparse.Namespace(shapes=["512/1024/512"], pattern=pattern,
+  args = argparse.Namespace(shapes=["512/1024/512"], collective=pattern,
                             dtype="f16")
   calls = autotune.plan_calls(args, 4)
   expected = list(autotuning.candidate_configs(

@@ -5,8 +5,8 @@ inside `shard_map`. A ring: at step s device d multiplies shard (d + s) % D
 by its rhs columns while forwarding that shard to device d - 1, straight
 from the shared memory the matmul pipeline loaded it into (TMA copies to the
 peer's scratch buffer), with a semaphore per (step, row block) announcing
-arrival. Compared with the upstream example's design
-(`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu`):
+arrival. Compared with JAX's collective matmul example
+(`jax/experimental/pallas/ops/gpu/collective_matmul_mgpu.py`):
 
 * one persistent loop over the tiles of all D steps: no barrier of all
   threads, no wait for every SM's signal and no tail wave between steps;

@@ -48,8 +48,8 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   as the body returns, so the body is wrapped to wait until at most
   `delay_release` steps' wgmmas are in flight (`_OffsetChain` waits the
   same way). Leaving one step's wgmmas in flight with `delay_release=0`
-  lets the next TMA load overwrite a slot a wgmma still reads (fixed in
-  de65204; `tests/kernels` checks every wait against the release).
+  lets the next TMA load overwrite a slot a wgmma still reads
+  (`tests/kernels` checks every wait against the release).
 
   `multicast` ("m" or "n", `TileConfig.cluster_dimension`): the block is
   one of a 2-block cluster along that dimension, whose blocks run the same

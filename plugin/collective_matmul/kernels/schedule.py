@@ -60,7 +60,8 @@ def send_plan(k_iters: int, n_iters: int, spread: bool, gap: int = 1):
 
   With `spread`, n-tile j forwards k blocks [j * per, (j + 1) * per), so the
   block is on its way after `per` pipeline steps instead of `k_iters`.
-  Without, n-tile 0 forwards all of them (the upstream example's scheme).
+  Without, n-tile 0 forwards all of them (the scheme of JAX's
+  `collective_matmul_mgpu.py`).
   """
   if not spread:
     return k_iters, 1, 1

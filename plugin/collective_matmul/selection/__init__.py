@@ -50,7 +50,7 @@ from collective_matmul.selection.heuristics import SENDER_WIDE_TILE_K
 from collective_matmul.selection.heuristics import tile_candidates
 from collective_matmul.selection.heuristics import wide_sender_tiles
 from collective_matmul.selection.tuned import AUTOTUNE_CACHE
-from collective_matmul.selection.tuned import CACHE_PATTERNS
+from collective_matmul.selection.tuned import CACHE_COLLECTIVES
 from collective_matmul.selection.tuned import PACKAGED_TABLE
 from collective_matmul.selection.tuned import TUNED_CONFIGS_FILE
 from collective_matmul.selection.tuned import cache_key
@@ -93,7 +93,7 @@ __all__ = [
     "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",
-    "AUTOTUNE_CACHE", "PACKAGED_TABLE", "CACHE_PATTERNS",
+    "AUTOTUNE_CACHE", "PACKAGED_TABLE", "CACHE_COLLECTIVES",
     "TUNED_CONFIGS_FILE", "cache_path", "cache_key", "load_cached_config",
     "store_cached_config", "parse_tuned_configs", "packaged_table",
     "packaged_config",

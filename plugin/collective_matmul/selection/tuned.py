@@ -38,8 +38,8 @@ from collective_matmul.selection.problem import Problem
 AUTOTUNE_CACHE = "autotune cache"
 PACKAGED_TABLE = "packaged table"
 
-# A cache entry's pattern: the kernel (collective) it configures.
-CACHE_PATTERNS = tuple(c.value for c in Collective)
+# A cache entry's collective: the kernel it configures.
+CACHE_COLLECTIVES = tuple(c.value for c in Collective)
 CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
                   Collective.REDUCE_SCATTER: ReduceScatterConfig}
 # The largest value of each integer field a stored config may hold, past
@@ -68,20 +68,20 @@ def cache_path() -> str:
 
 
 def cache_key(problem: Problem, device_kind: str,
-              pattern=Collective.ALL_GATHER) -> str:
+              collective=Collective.ALL_GATHER) -> str:
   """Key of a cache or table entry for `problem` (its result dtype aside);
   the two kernels' entries never mix."""
-  pattern = Collective.parse(pattern, "pattern")
+  collective = Collective.parse(collective, "collective")
   key = (f"{device_kind}|{np.dtype(problem.dtype).name}|"
          f"D={problem.axis_size}|{problem.rows}x{problem.k}x{problem.n}")
-  return (key if pattern == Collective.ALL_GATHER
-          else f"{pattern.value}|{key}")
+  return (key if collective == Collective.ALL_GATHER
+          else f"{collective.value}|{key}")
 
 
-def key_pattern(key: str) -> Collective:
-  """The pattern of a `cache_key`."""
+def key_collective(key: str) -> Collective:
+  """The collective of a `cache_key`."""
   head = key.split("|", 1)[0]
-  return (Collective.parse(head, "pattern") if head in CACHE_PATTERNS
+  return (Collective.parse(head, "collective") if head in CACHE_COLLECTIVES
           else Collective.ALL_GATHER)
 
 
@@ -92,8 +92,8 @@ _FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
                 "MatmulDimension | None": (str, type(None))}
 
 
-def config_from_fields(pattern: Collective, fields) -> TileConfig:
-  """`pattern`'s config class built from an entry's fields (a JSON object),
+def config_from_fields(collective: Collective, fields) -> TileConfig:
+  """`collective`'s config class built from an entry's fields (a JSON object),
   each of its declared type (a bool is no int, 128.0 no int, "no" no bool)
   and, if an integer, at most its `FIELD_LIMITS`.
 
@@ -102,7 +102,7 @@ def config_from_fields(pattern: Collective, fields) -> TileConfig:
   """
   if not isinstance(fields, dict):
     raise TypeError(f"config {fields!r} is not a JSON object")
-  cls = CONFIG_CLASSES[pattern]
+  cls = CONFIG_CLASSES[collective]
   declared = {f.name: f.type for f in dataclasses.fields(cls)}
   for name, value in fields.items():
     if name not in declared:
@@ -141,8 +141,8 @@ def _read_json(path: str):
 
 
 def load_cached_config(problem: Problem, device_kind: str, *,
-                       pattern=Collective.ALL_GATHER):
-  """The autotuned config of this problem for `pattern`'s kernel, or None
+                       collective=Collective.ALL_GATHER):
+  """The autotuned config of this problem for `collective`'s kernel, or None
   (no file, no entry, an entry this version cannot read, or a program of
   several processes, where each would read its own host's file)."""
   path = cache_path()
@@ -153,8 +153,8 @@ def load_cached_config(problem: Problem, device_kind: str, *,
               "a multi-process program does not read a per-host file "
               "(each process could choose differently)")
     return None
-  pattern = Collective.parse(pattern, "pattern")
-  key = cache_key(problem, device_kind, pattern)
+  collective = Collective.parse(collective, "collective")
+  key = cache_key(problem, device_kind, collective)
   try:
     table = _read_json(path)
   except ValueError as e:
@@ -166,7 +166,7 @@ def load_cached_config(problem: Problem, device_kind: str, *,
   if key not in table:
     return None
   try:
-    config = config_from_fields(pattern, table[key])
+    config = config_from_fields(collective, table[key])
     reason = cluster_reason(config, problem.axis_size)
     if reason:
       raise ValueError(reason)
@@ -198,9 +198,9 @@ def _table_to_update(path: str) -> dict:
 
 def store_cached_config(config: AllGatherConfig | ReduceScatterConfig,
                         problem: Problem, device_kind: str, *,
-                        pattern=None) -> str:
-  """Stores `config` as the tuned one of its kernel (`pattern`: None, or
-  the pattern of the config's class) for `problem`; returns the path.
+                        collective=None) -> str:
+  """Stores `config` as the tuned one of its kernel (`collective`: None, or
+  the collective of the config's class) for `problem`; returns the path.
 
   A cache file that cannot be read is set aside (`<path>.damaged-<time>`,
   logged) and a new one written, so a sweep's result is never lost to it.
@@ -209,9 +209,10 @@ def store_cached_config(config: AllGatherConfig | ReduceScatterConfig,
   """
   own = next(p for p, cls in CONFIG_CLASSES.items()
              if type(config) is cls)  # pylint: disable=unidiomatic-typecheck
-  if pattern is not None and Collective.parse(pattern, "pattern") != own:
+  if (collective is not None
+      and Collective.parse(collective, "collective") != own):
     raise ValueError(f"a {type(config).__name__} is the {own.value!r} "
-                     f"kernel's config, not the {pattern!r} kernel's")
+                     f"kernel's config, not the {collective!r} kernel's")
   path = cache_path()
   folder = os.path.dirname(path) or "."
   os.makedirs(folder, exist_ok=True)
@@ -260,7 +261,7 @@ def parse_tuned_configs(data, origin: str = TUNED_CONFIGS_FILE
       key = entry["key"]
       if key in table:
         raise ValueError(f"key {key!r} repeats an earlier entry")
-      table[key] = config_from_fields(key_pattern(key), entry["config"])
+      table[key] = config_from_fields(key_collective(key), entry["config"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       logging.warning("collective matmul: entry %d of %s skipped: %s", i,
                       origin, e)
@@ -283,10 +284,10 @@ def packaged_table() -> Mapping[str, TileConfig]:
 
 
 def packaged_config(problem: Problem, device_kind: str, *,
-                    pattern=Collective.ALL_GATHER):
-  """The packaged table's measured config of `problem` for `pattern`'s
+                    collective=Collective.ALL_GATHER):
+  """The packaged table's measured config of `problem` for `collective`'s
   kernel, or None."""
-  return packaged_table().get(cache_key(problem, device_kind, pattern))
+  return packaged_table().get(cache_key(problem, device_kind, collective))
 
 
 def measured_config(collective: Collective, problem: Problem,
@@ -297,7 +298,7 @@ def measured_config(collective: Collective, problem: Problem,
   autotune cache's, then the packaged table's; else None."""
   for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
                          (PACKAGED_TABLE, packaged_config)):
-    found = lookup(problem, device_kind, pattern=collective)
+    found = lookup(problem, device_kind, collective=collective)
     if found is None:
       continue
     fitted = found.fit_shared_memory(*problem.itemsizes)
