@@ -58,6 +58,21 @@ def test_nothing_rewritten_says_to_use_tensor_sequence_parallelism():
   assert "set ici_tensor_sequence_parallelism > 1" in text
 
 
+def test_plain_tensor_parallelism_as_maxtext_runs_it_gets_the_hint():
+  # The reasons a MaxText run with ici_tensor_parallelism=4, data 2 records
+  # (activations sharded on their features over 'tensor'), as README quotes.
+  records = [
+      _left("mlp/wi_0", "no mesh axis shards the contracting dimension of "
+            "both lhs and rhs"),
+      _left("mlp/wo", "the contraction is sharded over ['tensor'] but the "
+            "result is asked for on its columns: out_sharding (('data',), (), "
+            "('tensor',))")]
+  assert summary.nothing_rewritten_hint(records) == (
+      summary.NOTHING_REWRITTEN_HINT)
+  assert "set ici_tensor_sequence_parallelism > 1" in summary.summary(
+      records, ON)
+
+
 def test_plugin_off_says_maxtext_ran_its_own_code():
   text = summary.summary([], cm.CollectiveMatmulConfig(enabled=False))
   assert "plugin off" in text and "--use_collective_matmul" in text

@@ -60,6 +60,11 @@ _HINTS = (
     (TENSOR_AXIS_HINT,
      re.compile(r"contracting dimension \d+ is sharded over \([^)]*'tensor'")),
     (MINOR_AXIS_HINT, re.compile(r"must be the minor \(last\) axis")),
+    # Plain tensor parallelism in a real MaxText run: the activations'
+    # features (the contraction) sharded over 'tensor', the weights' input
+    # features not. Last, so the meshes above keep their own hint.
+    (NOTHING_REWRITTEN_HINT,
+     re.compile("no mesh axis shards the contracting dimension of both")),
 )
 CONFIG_DUMP_POINTER = (
     "collective matmul: MaxText logs its whole config next ('Config param' "
