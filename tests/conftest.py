@@ -91,3 +91,49 @@ def _clean_plugin_state():
   yield
   cm.set_config(None)
   cm.clear_decisions()
+
+
+# CI's second stage (Python 3.12, JAX 0.12, real MaxText) runs what differs
+# there, not the whole suite again: the tests the first stage skipped
+# (real MaxText, the kernels lowered for CUDA and interpreted, whatever
+# needs a newer JAX) and the folders whose code paths depend on JAX's
+# version (`EVERY_JAX`). `CM_RECORD_SKIPPED=FILE` writes the skipped
+# tests' ids to FILE; `CM_RUN_SKIPPED_IN=FILE` keeps only those and the
+# `EVERY_JAX` folders (.ci/run).
+EVERY_JAX = ("tests/ops/", "tests/override/", "tests/kernels/",
+             "tests/integrations/", "tests/package/")
+_RECORD_SKIPPED = os.environ.get("CM_RECORD_SKIPPED")
+_RUN_SKIPPED_IN = os.environ.get("CM_RUN_SKIPPED_IN")
+_skipped_ids = []
+
+
+def pytest_collection_modifyitems(config, items):
+  if not _RUN_SKIPPED_IN:
+    return
+  with open(_RUN_SKIPPED_IN, encoding="utf-8") as f:
+    listed = set(f.read().split("\n")) - {""}
+  if not listed:
+    raise pytest.UsageError(f"CM_RUN_SKIPPED_IN={_RUN_SKIPPED_IN} lists no "
+                            "test: the first stage recorded no skip?")
+  keep, drop = [], []
+  for item in items:
+    every = item.nodeid.startswith(EVERY_JAX)
+    (keep if every or item.nodeid in listed else drop).append(item)
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+  print(f"\nCM_RUN_SKIPPED_IN: {len(keep)} tests kept ({len(listed)} "
+        f"skipped in the first stage, plus {', '.join(EVERY_JAX)}), "
+        f"{len(drop)} deselected")
+
+
+def pytest_runtest_logreport(report):
+  if _RECORD_SKIPPED and report.skipped:
+    _skipped_ids.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del session, exitstatus
+  if _RECORD_SKIPPED:
+    with open(_RECORD_SKIPPED, "w", encoding="utf-8") as f:
+      f.write("".join(f"{nodeid}\n" for nodeid in sorted(set(_skipped_ids))))
