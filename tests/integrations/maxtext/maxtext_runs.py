@@ -28,15 +28,17 @@ MODELS = {
     "mistral-7b": ("base_emb_dim=256", "base_mlp_dim=512",
                    "base_num_query_heads=8", "base_num_kv_heads=4",
                    "head_dim=32"),
-    # gemma4_small: per-layer inputs (their gate and projection in every
-    # decoder layer), tied logits; layers unscanned, as it requires.
+    # gemma4_small: per-layer inputs (the embeddings' projection into them,
+    # their gate and projection in every decoder layer), tied logits, the
+    # second layer's key/value shared from the first (its donor computes
+    # them outside Attention.__call__); layers unscanned, as it requires.
     "gemma4-e2b": ("base_emb_dim=256", "base_mlp_dim=512",
                    "base_num_query_heads=8", "base_num_kv_heads=4",
                    "head_dim=32", "global_head_dim=64",
                    "global_num_kv_heads=4", "scan_layers=False",
                    "hidden_size_per_layer_input=32",
                    "vocab_size_per_layer_input=1024",
-                   "num_kv_shared_layers=0"),
+                   "num_kv_shared_layers=1"),
     # gpt3's own attention class, fused query/key/value.
     "gpt3-52k": ("base_emb_dim=256", "base_mlp_dim=512",
                  "base_num_query_heads=8", "base_num_kv_heads=8",

@@ -4,8 +4,11 @@ MaxText's layers take no `dot_general` argument: every unquantized
 projection goes through `maxtext.layers.linears._compute_dot_general_nnx`,
 called from `DenseGeneral.__call__`, which knows only the kernel's logical
 axes. `install()` wraps those two private names, and the `__call__` of the
-modules that own the projections (`MlpBlock`, `Attention`, the decoder's
-output head, and MoE blocks and their router gate, which are left alone), so
+modules that own the projections (`MlpBlock`, `Attention` and its
+`compute_shared_kv`, the decoder's output head, MoE blocks and their router
+gate, which are left alone, and the models' own owners: gpt3's attention,
+gemma4_small's decoder layer and per-layer embedder, qwen3-next's Gated
+DeltaNet and MoE block, qwen3-custom's decoder layer), so
 that at trace time the dot_general of a known projection in a training graph
 becomes `collective_matmul.logical_dot_general` with the activation's and
 result's logical axes from `projections.PROJECTIONS`; so does the output
@@ -74,6 +77,13 @@ _EXPECTED_PARAMETERS = (
     # __call__: its out projection is Attention's.
     ("attention_mla", "MLA.__call__", "at least", (
         "inputs_q", "inputs_kv", "model_mode")),
+    # A donor layer's shared key/value (gemma4_small), and its layers' loop,
+    # called with model_mode sixth.
+    ("attentions", "Attention.compute_shared_kv", "at least", (
+        "self", "inputs_kv")),
+    ("nnx_decoders", "NNXDecoder._apply_gemma4_small_layers", "at least", (
+        "self", "y", "decoder_input_tokens", "decoder_segment_ids",
+        "decoder_positions", "deterministic", "model_mode")),
     ("nnx_decoders", "NNXDecoder.apply_output_head", "exactly", (
         "self", "shared_embedding", "y", "deterministic", "model_mode",
         "normalize_y")),
@@ -113,11 +123,17 @@ class MaxTextVersionError(RuntimeError):
 
 @dataclasses.dataclass
 class _Frame:
-  # "mlp", "attention", "decoder", "moe", "gate", "layer" (a decoder layer
-  # that owns projections itself) or "dense".
+  # "mlp", "attention", "decoder", "moe", "gate", "layer" (gemma4_small's
+  # decoder layer, which owns projections itself), "qwen3_custom_layer",
+  # "linear_attention" (qwen3-next's Gated DeltaNet), "shared_moe"
+  # (qwen3-next's MoE block with its shared expert), "per_layer_embedder"
+  # (gemma4_small's per-layer inputs) or "dense".
   kind: str
   module: Any
   model_mode: str | None = None
+  # The first part of the names of the projections it owns (default: the
+  # kind). "layer": named only when it is the innermost owner.
+  label: str = ""
   # "dense": the array DenseGeneral was called with.
   inputs: Any = None
   # "attention": called with inputs_q is inputs_kv and no shared key/value,
@@ -129,6 +145,10 @@ class _Frame:
   group_results: dict[str, tuple[Any, "_Captured", Any]] = (
       dataclasses.field(default_factory=dict))
   group_reason: str = ""  # Owners: why the siblings were not grouped.
+
+  @property
+  def prefix(self) -> str:
+    return self.label or self.kind
 
 
 _local = threading.local()
@@ -261,11 +281,11 @@ def install(allow_untested_version: bool | None = None) -> str:
       _maxtext_modules())
   attention.install()
 
-  def owner_call(kind, mode_of, details=lambda args, kwargs: {}):
+  def owner_call(kind, mode_of, details=lambda args, kwargs: {}, label=""):
     def make(original):
       def call(self, *args, **kwargs):
         with _entered(_Frame(kind, self, mode_of(self, args, kwargs),
-                             **details(args, kwargs))):
+                             label=label, **details(args, kwargs))):
           return original(self, *args, **kwargs)
       call.__wrapped__ = original
       return call
@@ -287,11 +307,35 @@ def install(allow_untested_version: bool | None = None) -> str:
     _patch(attention_class, "__call__", owner_call(
         "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
         attention_details))
-  # gemma4_small's decoder layer owns its per-layer input projections.
+  # A donor layer's key/value for the layers that share them (gemma4_small):
+  # Attention's projections, called outside its __call__.
+  _patch(attentions.Attention, "compute_shared_kv", owner_call(
+      "attention", lambda self, a, kw: getattr(self, "model_mode", _TRAIN)))
+  # gemma4_small's decoder layer owns its per-layer input projections; the
+  # per-layer inputs themselves come from one projection of the embeddings.
   from maxtext.models import gemma4_small  # pylint: disable=g-import-not-at-top
   _patch(gemma4_small.Gemma4SmallDecoderLayer, "__call__", owner_call(
       "layer", lambda self, a, kw: argument(a, kw, 4, "model_mode") or (
           getattr(self, "model_mode", None) or _TRAIN)))
+  _patch(gemma4_small.Gemma4SmallPLE, "__call__", owner_call(
+      "per_layer_embedder",
+      lambda self, a, kw: getattr(_local, "decoder_mode", None)))
+  _patch(nnx_decoders.NNXDecoder, "_apply_gemma4_small_layers",
+         _make_decoder_mode_call)
+  # qwen3-next (and qwen3.5): the Gated DeltaNet's projections, and the MoE
+  # block's gate of its shared expert.
+  from maxtext.models import qwen3  # pylint: disable=g-import-not-at-top
+  _patch(qwen3.Qwen3NextGatedDeltaNet, "__call__", owner_call(
+      "linear_attention",
+      lambda self, a, kw: argument(a, kw, 1, "model_mode") or _TRAIN))
+  _patch(qwen3.Qwen3NextSparseMoeBlock, "__call__", owner_call(
+      "shared_moe", lambda self, a, kw: None, label="moe"))
+  # qwen3-custom's decoder layer: its up projection after the experts.
+  from maxtext.models import qwen3_custom  # pylint: disable=g-import-not-at-top
+  _patch(qwen3_custom.Qwen3CustomMoeDecoderLayer, "__call__", owner_call(
+      "qwen3_custom_layer",
+      lambda self, a, kw: argument(a, kw, 4, "model_mode") or _TRAIN,
+      label="layer"))
   # gpt3's own attention class: one input, always self-attention.
   from maxtext.models import gpt3  # pylint: disable=g-import-not-at-top
   _patch(gpt3.Gpt3MultiHeadAttention, "__call__", owner_call(
@@ -339,12 +383,12 @@ def _projection_name(owners, module) -> str | None:
   shared experts: "moe/shared_experts/wi_0"); None when the innermost owner
   does not hold it."""
   # A decoder layer names only the projections it owns itself.
-  owners = [f for f in owners[:-1] if f.kind != "layer"] + owners[-1:]
+  owners = [f for f in owners[:-1] if f.prefix != "layer"] + owners[-1:]
   if not owners:
     return None
-  parts = [owners[0].kind]
+  parts = [owners[0].prefix]
   for outer, inner in zip(owners, owners[1:]):
-    if inner.kind != outer.kind:
+    if inner.prefix != outer.prefix:
       parts.append(_attribute_name(outer.module, inner.module) or inner.kind)
   attr = _attribute_name(owners[-1].module, module)
   return "/".join(parts + [attr]) if attr else None
@@ -373,22 +417,54 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if owner is None:
     return (f"kernel axes {kernel_axes}: not a projection of an MlpBlock, "
             "Attention or the decoder's output head"), None, name
-  if owner.model_mode != _TRAIN:
-    return (f"model_mode={owner.model_mode!r} (the adapter serves "
-            "training)"), None, name
-  if owner.kind == "layer" and _attribute_name(owner.module, dense) is None:
+  if owner.prefix == "layer" and _attribute_name(owner.module, dense) is None:
     return (f"kernel axes {kernel_axes}: inside a decoder layer, not one of "
             "its own projections"), None, name
   projection = projections.find_projection(owner.kind, kernel_axes)
+  if (owner.kind, kernel_axes) in projections.RULES_UNSHARDED:
+    return _rules_unsharded_reason(
+        kernel_axes, *projections.RULES_UNSHARDED[owner.kind, kernel_axes]
+    ), None, name
   if projection is None:
     return projections.LEFT.get(
         (owner.kind, kernel_axes),
         f"kernel axes {kernel_axes} are not a known {owner.kind} "
         "projection"), None, name
+  if owner.model_mode != _TRAIN:
+    return (f"model_mode={owner.model_mode!r} (the adapter serves "
+            "training)"), None, name
   if jnp.ndim(inputs) != len(projection.activation_axes):
     return (f"activation of rank {jnp.ndim(inputs)}, expected "
             f"{projection.activation_axes}"), None, name
   return None, projection, name
+
+
+def _rules_unsharded_reason(kernel_axes, what, dim, role) -> str:
+  """Why `projections.RULES_UNSHARDED`'s projection is left: which rule
+  leaves its kernel's dimension `dim` without a mesh axis (the active
+  Flax logical axis rules, MaxText's)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  spec = tuple(nn.logical_to_mesh_axes(kernel_axes))
+  name = kernel_axes[dim]
+  collective = ("all-gather" if role == "output" else "reduce-scatter")
+  if spec[dim] is not None:
+    return (f"{what}: not served (tested only with MaxText's default rules, "
+            f"which give its kernel's '{name}' no mesh axis); these rules "
+            f"shard it over {spec[dim]}")
+  as_tuple = lambda e: () if e is None else (e,) if isinstance(e, str) else (
+      tuple(e))
+  wanted = [as_tuple(axes) for logical, axes in nn.get_logical_axis_rules()
+            if logical == name]
+  taken = {axis: kernel_axes[d] for d, entry in enumerate(spec)
+           for axis in as_tuple(entry)}
+  clash = sorted({(axis, taken[axis]) for axes in wanted for axis in axes
+                  if axis in taken})
+  why = ", ".join(f"'{axis}', which '{other}' took first" for axis, other
+                  in clash) or "none of them"
+  return (f"{what}: MaxText's logical_axis_rules give its kernel's {role} "
+          f"features ('{name}') no mesh axis (its rule also lists {why}, and "
+          "Flax then skips the rule), so the weight is replicated over "
+          f"tensor_sequence: no {collective} to overlap")
 
 
 def _flax_fp8_op(quant_dot_general):
@@ -538,6 +614,21 @@ def _make_routed_moe_call(original):
               f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
               rhs_shape=jnp.shape(weight), dtype=jnp.result_type(inputs))
       return original(self, inputs, *args, **kwargs)
+  call.__wrapped__ = original
+  return call
+
+
+def _make_decoder_mode_call(original):
+  """gemma4_small's layers: their model mode, for the per-layer inputs'
+  projection (`Gemma4SmallPLE` takes none)."""
+  def call(self, *args, **kwargs):
+    mode = args[5] if len(args) > 5 else kwargs.get("model_mode")
+    previous = getattr(_local, "decoder_mode", None)
+    _local.decoder_mode = mode
+    try:
+      return original(self, *args, **kwargs)
+    finally:
+      _local.decoder_mode = previous
   call.__wrapped__ = original
   return call
 

@@ -85,6 +85,10 @@ PROJECTIONS = tuple(Projection(*p) for p in (
     # into it.
     ("layer", ("embed", "mlp"), RESIDUAL),
     ("layer", ("mlp", "embed"), MLP_HIDDEN, RESIDUAL),
+    # gemma4_small's per-layer inputs (`Gemma4SmallPLE`): the projection of
+    # the token embeddings, as they enter the first layer, into every
+    # layer's per-layer input.
+    ("per_layer_embedder", ("embed", "mlp"), RESIDUAL),
 ))
 
 
@@ -101,12 +105,42 @@ _MLA_UP = ("multi-head latent attention's up projection: its input, the "
 _GPT3_QKV = ("gpt3's fused query/key/value projection: its attention "
              "constrains the input to activation_length first, gathered on "
              "sequence, so there is no all-gather left to overlap")
+_SHARED_EXPERT_GATE = (
+    "the shared expert's gate: its kernel ('embed', None) has one output "
+    "feature, unsharded: each device computes its own rows' gate, no "
+    "all-gather to overlap")
+_QWEN3_CUSTOM_UP = (
+    "qwen3-custom's up projection after the experts: its input, the routed "
+    "experts' output, is sharded on sequence over tensor_sequence "
+    "(activation_norm_length), while its kernel ('mlp', 'embed') shards its "
+    "contracting dimension there and not its output features: neither the "
+    "all-gather nor the reduce-scatter matmul")
 LEFT = {
+    ("shared_moe", ("embed", None)): _SHARED_EXPERT_GATE,
+    ("qwen3_custom_layer", ("mlp", "embed")): _QWEN3_CUSTOM_UP,
     ("attention", ("embed_attn", "qkv", "heads", "kv")): _GPT3_QKV,
     ("attention", ("embed_attn", "q_lora_up_proj")): _MLA_DOWN,
     ("attention", ("embed_attn", "kv_lora_up_proj")): _MLA_DOWN,
     ("attention", ("q_lora", "q_heads", "kv")): _MLA_UP,
     ("attention", ("kv_lora", "kv_heads", "kv_head_dim")): _MLA_UP,
+}
+
+
+# Projections whose weight MaxText's default logical_axis_rules leave
+# unsharded where the collective matmul needs it sharded, by (owner, kernel
+# axes): (what it is, that kernel dimension, "output" for an all-gather
+# matmul's output features or "contracting" for a reduce-scatter's).
+# qwen3-next (and qwen3.5): 'embed_attn''s rule comes before 'gdn_head''s and
+# 'mlp''s, takes 'fsdp_transpose', which theirs also list, and Flax then
+# skips their rules whole, so these weights are replicated over
+# tensor_sequence (and tensor).
+RULES_UNSHARDED = {
+    ("linear_attention", ("embed_attn", "gdn_head")): (
+        "qwen3-next's Gated DeltaNet input projection", 1, "output"),
+    ("linear_attention", ("gdn_head", "embed_attn")): (
+        "qwen3-next's Gated DeltaNet output projection", 0, "contracting"),
+    ("attention", ("mlp", "embed_attn")): (
+        "qwen3-next's gated attention out projection", 0, "contracting"),
 }
 
 
