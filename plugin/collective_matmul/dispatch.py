@@ -19,6 +19,7 @@ from collective_matmul import ring
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
+from collective_matmul.kernels import configs
 
 
 def _rows_layout(x, axis, config):
@@ -38,18 +39,31 @@ def _rows_layout(x, axis, config):
   return moved.reshape(rows, x.shape[-1]), None, True
 
 
+def _weight_for_kernel(x, w, layout_arg):
+  """(the weight as the kernels take it, the keywords that say how): `[k,
+  n]` as given (no keyword), or for fp8 operands `[n, k]` with
+  `layout_arg="nk"`, since 8-bit wgmma operands are read K-major. A weight
+  that arrives as the transpose of a K-major array (the dgrad's `w.T`)
+  becomes that array again: XLA folds the two transposes."""
+  if configs.is_fp8(x.dtype) or configs.is_fp8(w.dtype):
+    return w.T, {layout_arg: "nk"}
+  return w, {}
+
+
 def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
                               preferred_element_type, return_gathered):
-  # bf16/f16 operands always accumulate in f32 on the MMA unit: precision
-  # has nothing to select. The kernel hands back the shards it received.
+  # bf16/f16 and fp8 operands always accumulate in f32 on the MMA unit:
+  # precision has nothing to select. The kernel hands back the shards it
+  # received.
   del precision
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
   x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
+  w_kernel, layout = _weight_for_kernel(x, w, "rhs_layout")
   result = kernels.all_gather_lhs_matmul(
-      x2d, w, axis_name, config=config,
+      x2d, w_kernel, axis_name, config=config,
       out_dtype=preferred_element_type, rows_per_batch=per_batch,
-      return_gathered=return_gathered)
+      return_gathered=return_gathered, **layout)
   out2d, held = result if return_gathered else (result, None)
   gathered_shape = list(x.shape)
   gathered_shape[gather_axis] *= axis_size
@@ -82,17 +96,19 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
   rows = math.prod(x.shape[:-1])
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
+  w_kernel, layout = _weight_for_kernel(x, w, "w_layout")
   if scatter_axis == 0 or selection.supports_rows_per_batch(
       config, rows // axis_size, per_block):
     out2d = kernels.matmul_reduce_scatter(
-        x.reshape(rows, x.shape[-1]), w, axis_name, config=config,
-        out_dtype=preferred_element_type, rows_per_batch=per_block)
+        x.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
+        out_dtype=preferred_element_type, rows_per_batch=per_block,
+        **layout)
     return out2d.reshape(out_shape)
   moved = jnp.moveaxis(x, scatter_axis, 0)
   lead = moved.shape[:-1]
   out2d = kernels.matmul_reduce_scatter(
-      moved.reshape(rows, x.shape[-1]), w, axis_name, config=config,
-      out_dtype=preferred_element_type)
+      moved.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
+      out_dtype=preferred_element_type, **layout)
   out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
   return jnp.moveaxis(out, 0, scatter_axis)
 
@@ -100,7 +116,7 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
 def contract_leading(a, b, precision):
   """`a[..., p].T @ b[..., q]` summed over all leading dimensions, in f32 or
   wider: `[p, q]`."""
-  dtype = _wider(a.dtype, b.dtype)
+  dtype = selection.wider_dtype(a.dtype, b.dtype)
   lead = tuple(range(a.ndim - 1))
   return lax.dot_general(
       a.astype(dtype), b.astype(dtype), ((lead, lead), ((), ())),
@@ -189,17 +205,5 @@ def collective_matmul(collective: Collective, impl: Impl, config, x, w,
 def times_weight_transposed(dy, w):
   """`dy` and `w.T` in one dtype, the wider of the two (an f32 cotangent is
   not rounded to bf16 to meet a bf16 weight)."""
-  dtype = _wider(dy.dtype, w.dtype)
+  dtype = selection.wider_dtype(dy.dtype, w.dtype)
   return dy.astype(dtype), w.T.astype(dtype)
-
-
-def _wider(a, b):
-  """The wider of two dtypes. JAX promotes no 8-bit float implicitly: one
-  meets another dtype as that dtype (exactly: every fp8 value is a bf16
-  value), and another 8-bit float as float32."""
-  a, b = jnp.dtype(a), jnp.dtype(b)
-  if a.itemsize == 1 and jnp.issubdtype(a, jnp.floating):
-    a = jnp.dtype(jnp.float32) if b.itemsize == 1 else b
-  if b.itemsize == 1 and jnp.issubdtype(b, jnp.floating):
-    b = a
-  return jnp.promote_types(a, b)

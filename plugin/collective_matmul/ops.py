@@ -76,7 +76,8 @@ def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
       max(1, rows), max(1, x.shape[-1]), max(1, w.shape[-1]),
       jnp.dtype(x.dtype), axis_size,
       None if preferred_element_type is None
-      else jnp.dtype(preferred_element_type))
+      else jnp.dtype(preferred_element_type),
+      None if w.dtype == x.dtype else jnp.dtype(w.dtype))
   device = selection.device_facts()
   options = selection.Options(
       bidirectional=True if bidirectional is None else bidirectional)
@@ -85,7 +86,8 @@ def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
   if chosen.is_fallback:
     raise ValueError(
         "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
-        "bf16 or f16 operands with XLA's command buffers off; here: "
+        "bf16 or f16 operands, or fp8 (e4m3 x e4m3, e5m2 x e4m3) with a "
+        "bf16 or f32 result, with XLA's command buffers off; here: "
         f"{chosen.reason.removeprefix('pallas unavailable: ')}. Use "
         "impl='ring' (any backend) or 'baseline'.")
   if backward_impl is None or backward_impl == chosen.backward_impl:

@@ -34,9 +34,6 @@ SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
 # fp8 operands, in any pair (Flax's fp8 matmuls: e4m3 x e4m3 forward, the
 # e5m2 gradient times an e4m3 operand backward), with a wider result.
 FP8_DTYPES = tuple(map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)))
-_SHORT_DTYPE_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2",
-                      "bfloat16": "bf16", "float16": "f16",
-                      "float32": "f32", "float64": "f64"}
 
 
 def dtype_label(lhs_dtype, rhs_dtype, preferred_element_type=None) -> str:
@@ -46,8 +43,7 @@ def dtype_label(lhs_dtype, rhs_dtype, preferred_element_type=None) -> str:
   lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
   if lhs_dtype not in FP8_DTYPES and rhs_dtype not in FP8_DTYPES:
     return str(lhs_dtype)
-  short = lambda d: _SHORT_DTYPE_NAMES.get(jnp.dtype(d).name,
-                                           jnp.dtype(d).name)
+  short = selection.short_dtype_name
   out = ("" if preferred_element_type is None
          else f" -> {short(preferred_element_type)}")
   return f"{short(lhs_dtype)} x {short(rhs_dtype)}{out}"
@@ -156,7 +152,8 @@ def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
   problem = selection.Problem(
       rows, k, n, jnp.dtype(lhs.dtype), match.axis_size,
       None if preferred_element_type is None
-      else jnp.dtype(preferred_element_type))
+      else jnp.dtype(preferred_element_type),
+      None if rhs.dtype == lhs.dtype else jnp.dtype(rhs.dtype))
   return selection.choose(
       cfg.impl, match.collective, problem, selection.device_facts(mesh),
       selection.Options(fallback_impl=cfg.fallback_impl,

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
-from collective_matmul import selection
 from cm_test_utils import mesh_1d, normal, put
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -163,22 +162,3 @@ def test_fp8_without_preferred_element_type_is_left_to_xla(keys):
   assert not decision.rewritten
   assert "without preferred_element_type" in decision.reason
   assert y.dtype == jnp.dtype(E4M3)
-
-
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_kernels_do_not_serve_fp8_yet_and_auto_runs_xla_on_hopper(
-    collective):
-  """On a Hopper GPU, fp8 that the kernels do not take runs XLA's collective
-  and fp8 GEMM (what the program runs without the plugin), not the ring."""
-  h200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
-  problem = selection.Problem(4096, 4096, 2048, np.dtype(E4M3), 4,
-                              np.dtype(jnp.bfloat16))
-  auto = selection.choose("auto", collective, problem, h200)
-  assert auto.impl == "baseline" and auto.backward_impl == "baseline"
-  assert not auto.is_fallback
-  assert "fp8" in auto.reason and "not dispatched" in auto.reason
-  pallas = selection.choose("pallas", collective, problem, h200)
-  assert pallas.is_fallback and pallas.impl == "baseline"
-  off_hopper = selection.choose(
-      "auto", collective, problem, selection.DeviceFacts("cpu", "cpu", 1))
-  assert off_hopper.impl == "ring"

@@ -29,6 +29,8 @@ from collective_matmul.enums import Collective
 from collective_matmul.selection.applicability import COMMAND_BUFFER_FLAG
 from collective_matmul.selection.applicability import SMALL_BOXES
 from collective_matmul.selection.applicability import command_buffer_reason
+from collective_matmul.selection.applicability import config_reason
+from collective_matmul.selection.applicability import operand_reason
 from collective_matmul.selection.applicability import process_layout_reason
 from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.applicability import too_small_reason
@@ -45,6 +47,8 @@ from collective_matmul.selection.device import DeviceFacts
 from collective_matmul.selection.device import HOPPER_DEVICE_KINDS
 from collective_matmul.selection.device import device_facts
 from collective_matmul.selection.problem import Problem
+from collective_matmul.selection.problem import short_dtype_name
+from collective_matmul.selection.problem import wider_dtype
 from collective_matmul.selection.heuristics import SENDER_SMS
 from collective_matmul.selection.heuristics import SENDER_WIDE_TILE_K
 from collective_matmul.selection.heuristics import tile_candidates
@@ -89,7 +93,7 @@ __all__ = [
     "padding", "supports_rows_per_batch",
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
     "COMMAND_BUFFER_FLAG", "SMALL_BOXES", "unsupported_reason",
-    "command_buffer_reason", "process_layout_reason",
+    "operand_reason", "config_reason", "command_buffer_reason", "process_layout_reason",
     "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",
@@ -97,7 +101,8 @@ __all__ = [
     "TUNED_CONFIGS_FILE", "cache_path", "cache_key", "load_cached_config",
     "store_cached_config", "parse_tuned_configs", "packaged_table",
     "packaged_config",
-    "CALLER", "HEURISTIC", "Problem", "Options", "KernelPlan", "choose",
+    "CALLER", "HEURISTIC", "Problem", "short_dtype_name", "wider_dtype",
+    "Options", "KernelPlan", "choose",
     "config_for", "config_label", "heuristic_config", "select_config",
     "select_reduce_scatter_config",
 ]

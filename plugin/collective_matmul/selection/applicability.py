@@ -27,8 +27,8 @@ def unsupported_reason(problem: Problem, device: DeviceFacts) -> str | None:
     return f"backend is {device.platform!r}, the kernel needs a CUDA GPU"
   if not device.is_hopper:
     return f"device {device.device_kind!r} is not a Hopper (sm_90a) GPU"
-  reason = configs.dtype_reason(problem.dtype, problem.out_dtype)
-  if reason is not None and fp8_dispatch_reason(problem.dtype) is None:
+  reason = operand_reason(problem)
+  if reason is not None:
     return reason
   if min(problem.rows, problem.k, problem.n) <= 0:
     return (f"empty problem m={problem.rows} k={problem.k} "
@@ -38,16 +38,49 @@ def unsupported_reason(problem: Problem, device: DeviceFacts) -> str | None:
   return None
 
 
-def fp8_dispatch_reason(dtype) -> str | None:
-  """Why the kernels do not serve fp8 operands of `dtype`, or None: the
-  portable ring and the baseline serve fp8 products; the kernels' fp8 cores
-  are not yet taken by the dispatch. On a Hopper GPU `auto` then runs XLA's
-  collective and fp8 GEMM (the baseline, what the program runs without the
-  plugin), never the portable ring; an explicit `pallas` is a fallback."""
-  name = np.dtype(dtype).name
-  if name.startswith("float8"):
-    return (f"fp8 operands ({name}): the kernels' fp8 cores are not "
-            "dispatched yet (ring and baseline serve fp8)")
+def _jax_version() -> tuple[int, int]:
+  import jax  # pylint: disable=g-import-not-at-top
+  return tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
+def operand_reason(problem: Problem) -> str | None:
+  """Why the kernels cannot take `problem`'s operand and result dtypes, or
+  None: bf16 or f16 operands of one dtype (results in theirs or float32);
+  or an fp8 pair the wgmma takes (`configs.FP8_PAIRS`: e4m3 x e4m3, e5m2 x
+  e4m3) with bf16 or float32 results, the weight passed K-major (the
+  dispatch does) in k steps of `configs.FP8_TILE_K` (`config_reason`)."""
+  lhs, rhs = problem.operand_dtypes
+  if not problem.is_fp8:
+    if lhs != rhs:
+      return f"operand dtypes differ: lhs {lhs.name}, rhs {rhs.name}"
+    return configs.dtype_reason(lhs, problem.out_dtype)
+  if problem.out_dtype is None:
+    return (f"fp8 operands {lhs.name} x {rhs.name} with an fp8 result (the "
+            "kernels give bfloat16 or float32)")
+  reason = configs.fp8_reason(lhs, rhs, problem.out_dtype, True,
+                              configs.FP8_TILE_K)
+  if reason is not None:
+    return reason
+  if lhs != rhs and _jax_version() < (0, 11):
+    return (f"fp8 operands {lhs.name} x {rhs.name} need JAX >= 0.11 (the "
+            "wgmma of this JAX takes one dtype)")
+  return None
+
+
+def config_reason(config: configs.TileConfig,
+                  problem: Problem) -> str | None:
+  """Why the kernels cannot run `problem` with `config`, or None: fp8
+  operands need k steps of `configs.FP8_TILE_K`, and the pipeline and
+  epilogue must fit a block's shared memory at the problem's element
+  sizes."""
+  if problem.is_fp8 and config.tile_k != configs.FP8_TILE_K:
+    lhs, rhs = problem.operand_dtypes
+    return configs.fp8_reason(lhs, rhs, problem.out_dtype, True,
+                              config.tile_k)
+  needed = config.smem_bytes(*problem.itemsizes)
+  if needed > configs.SMEM_BYTES:
+    return (f"the config needs {needed} bytes of shared memory with "
+            f"{problem.dtype_label()} (a block has {configs.SMEM_BYTES})")
   return None
 
 

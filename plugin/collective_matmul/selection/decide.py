@@ -55,7 +55,9 @@ class KernelPlan:
   backward_config, backward_source: the same for the backward's collective
   matmul (dx: the other collective). reason: why not the Hopper kernel (""
   when it runs, or was not asked for). is_fallback: an explicit `pallas`
-  could not be served.
+  could not be served. dtypes, backward_dtypes: for fp8 operands, the
+  forward's and the backward's operand and result dtypes as the record
+  names them (`e4m3 x e4m3 -> bf16`; `Problem.dtype_label`), else "".
   """
 
   impl: Impl
@@ -66,6 +68,8 @@ class KernelPlan:
   backward_source: str = ""
   reason: str = ""
   is_fallback: bool = False
+  dtypes: str = ""
+  backward_dtypes: str = ""
 
   def __post_init__(self):
     for impl_field, config_field in (("impl", "config"),
@@ -89,19 +93,24 @@ class KernelPlan:
     return dataclasses.replace(
         self, impl=self.backward_impl, config=self.backward_config,
         source=self.backward_source, backward_impl=self.impl,
-        backward_config=self.config, backward_source=self.source)
+        backward_config=self.config, backward_source=self.source,
+        dtypes=self.backward_dtypes, backward_dtypes=self.dtypes)
 
   def describe(self, backward: bool = False) -> str:
     """'pallas 128x256x64 s4 (packaged table)', 'ring', 'ring one-way' or
-    'baseline': the implementation with what its config changes."""
-    impl, config, source = ((self.backward_impl, self.backward_config,
-                             self.backward_source) if backward
-                            else (self.impl, self.config, self.source))
+    'baseline': the implementation with what its config changes, and for
+    fp8 the dtypes it runs ('pallas e4m3 x e4m3 -> bf16 128x256x128 s4
+    (heuristic)')."""
+    impl, config, source, dtypes = (
+        (self.backward_impl, self.backward_config, self.backward_source,
+         self.backward_dtypes) if backward
+        else (self.impl, self.config, self.source, self.dtypes))
+    what = f"{impl} {dtypes}" if dtypes else str(impl)
     if isinstance(config, TileConfig):
-      return f"{impl} {config_label(config)} ({source})"
+      return f"{what} {config_label(config)} ({source})"
     if isinstance(config, RingConfig) and not config.bidirectional:
-      return f"{impl} one-way"
-    return str(impl)
+      return f"{what} one-way"
+    return what
 
 
 # Each implementation's config type (baseline: none).
@@ -166,10 +175,14 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
   `collective` on `problem`; `config`: the caller's, else chosen here."""
   reason = applicability.unsupported_reason(problem, device)
   if reason is not None:
-    return (_Verdict(f"pallas unavailable: {reason}", options.fallback_impl,
-                     True), None, "")
-  reason = (applicability.fp8_dispatch_reason(problem.dtype) or
-            applicability.command_buffer_reason(device.platform) or
+    # fp8 the kernels do not take runs XLA's fp8 GEMM on a Hopper GPU (what
+    # the program runs without the plugin), not the portable ring.
+    instead = (Impl.BASELINE if problem.is_fp8 and device.is_hopper
+               and device.platform in ("gpu", "cuda")
+               else options.fallback_impl)
+    return (_Verdict(f"pallas unavailable: {reason}", instead, True), None,
+            "")
+  reason = (applicability.command_buffer_reason(device.platform) or
             applicability.process_layout_reason(problem, device))
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
@@ -182,6 +195,10 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
     config, source = config_for(collective, problem, device)
   else:
     source = CALLER
+  reason = applicability.config_reason(config, problem)
+  if reason is not None:
+    return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
+            None, "")
   small = applicability.too_small_reason(config, problem, device.num_cores)
   if small is not None:
     return _Verdict(small, Impl.BASELINE, False), config, source
@@ -213,6 +230,17 @@ def choose(requested: Impl | str, collective: Collective | str,
   """
   requested = Impl.parse(requested, "impl")
   collective = Collective.parse(collective, "collective")
+  plan = _choose(requested, collective, problem, device, options, config)
+  if not problem.is_fp8:
+    return plan
+  return dataclasses.replace(plan, dtypes=problem.dtype_label(),
+                             backward_dtypes=problem.backward().dtype_label())
+
+
+def _choose(requested: Impl, collective: Collective, problem: Problem,
+            device: DeviceFacts, options: Options,
+            config: TileConfig | None) -> KernelPlan:
+  """`choose` without the dtype labels."""
   if requested in (Impl.RING, Impl.BASELINE):
     return KernelPlan(requested, requested, options.config(requested),
                       backward_config=options.config(requested))

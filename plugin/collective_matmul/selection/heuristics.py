@@ -11,6 +11,7 @@ import dataclasses
 
 from collective_matmul.enums import MatmulDimension
 from collective_matmul.kernels.configs import AllGatherConfig
+from collective_matmul.kernels.configs import FP8_TILE_K
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import TileConfig
 from collective_matmul.kernels.schedule import padding
@@ -18,13 +19,17 @@ from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.problem import Problem
 
 
-def tile_candidates():
-  """The tile shapes the heuristic (and autotuning) choose from."""
+def tile_candidates(problem: Problem | None = None):
+  """The tile shapes the heuristic (and autotuning) choose from; for an fp8
+  `problem` with the k step its operands need (`FP8_TILE_K`: 8-bit wgmma
+  operands are read K-major through a 128-byte swizzle)."""
   m, n = MatmulDimension.M, MatmulDimension.N
+  tile_k = {"tile_k": FP8_TILE_K} if problem is not None and (
+      problem.is_fp8) else {}
   for tile_m, tile_n, wg in ((128, 128, n), (128, 128, m), (128, 64, n),
                              (64, 128, n), (64, 64, n)):
     yield AllGatherConfig(tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
-                          epi_tile_m=64, epi_tile_n=64)
+                          epi_tile_m=64, epi_tile_n=64, **tile_k)
 
 
 def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
@@ -43,7 +48,7 @@ def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
             cfg.wg_dimension != MatmulDimension.N)
 
   fitting = [c for c in (c.fit_shared_memory(*problem.itemsizes)
-                         for c in tile_candidates()) if c is not None]
+                         for c in tile_candidates(problem)) if c is not None]
   return min(fitting, key=score)
 
 
@@ -229,7 +234,7 @@ def _one_round_tiles(base: TileConfig, problem: Problem,
   `base` has, else None: each SM then runs one tile of each step in turn,
   and a step's data moves while the previous step computes."""
   fitting = [c for c in (t.fit_shared_memory(*problem.itemsizes)
-                         for t in tile_candidates())
+                         for t in tile_candidates(problem))
              if c is not None and c.cta_tile_m >= 128
              and tiles_per_step(c, problem) <= blocks]
   if not fitting:

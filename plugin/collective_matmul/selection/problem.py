@@ -6,14 +6,41 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from collective_matmul.kernels import configs
+
+_SHORT_DTYPE_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2",
+                      "bfloat16": "bf16", "float16": "f16",
+                      "float32": "f32", "float64": "f64"}
+
+
+def short_dtype_name(dtype) -> str:
+  """`e4m3`, `bf16`, `f32`, ...: a dtype as the decision record names it."""
+  name = np.dtype(dtype).name
+  return _SHORT_DTYPE_NAMES.get(name, name)
+
+
+def wider_dtype(a, b) -> np.dtype:
+  """The wider of two dtypes, in which a cotangent meets a weight. JAX
+  promotes no 8-bit float implicitly: one meets another dtype as that dtype
+  (exactly: every fp8 value is a bf16 value), and another 8-bit float as
+  float32."""
+  a, b = jnp.dtype(a), jnp.dtype(b)
+  if a.itemsize == 1 and jnp.issubdtype(a, jnp.floating):
+    a = jnp.dtype(jnp.float32) if b.itemsize == 1 else b
+  if b.itemsize == 1 and jnp.issubdtype(b, jnp.floating):
+    b = a
+  return np.dtype(jnp.promote_types(a, b))
+
 
 class Problem(NamedTuple):
   """The per-shard 2-D problem a kernel sees.
 
   rows: the activation shard's rows (before the all-gather, after the
   reduce-scatter); k: the local contraction; n: the local output columns;
-  dtype: the operands'; axis_size: the devices of the ring; out_dtype: the
-  result's, None for the operands'.
+  dtype: the activation's (lhs) operand dtype; axis_size: the devices of
+  the ring; out_dtype: the result's, None for the operands'; rhs_dtype: the
+  weight's, None for `dtype` (fp8 pairs differ: an e5m2 gradient times an
+  e4m3 weight).
   """
 
   rows: int
@@ -22,17 +49,52 @@ class Problem(NamedTuple):
   dtype: np.dtype
   axis_size: int
   out_dtype: np.dtype | None = None
+  rhs_dtype: np.dtype | None = None
+
+  @property
+  def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
+    """(lhs, rhs) operand dtypes."""
+    return (np.dtype(self.dtype),
+            np.dtype(self.dtype if self.rhs_dtype is None
+                     else self.rhs_dtype))
+
+  @property
+  def is_fp8(self) -> bool:
+    """Either operand is an 8-bit float."""
+    return any(configs.is_fp8(d) for d in self.operand_dtypes)
+
+  @property
+  def result_dtype(self) -> np.dtype:
+    """The result's dtype: `out_dtype`, else the operands' (an fp8 product
+    without one would be fp8, which no kernel writes)."""
+    return np.dtype(self.out_dtype or self.dtype)
 
   @property
   def itemsizes(self) -> tuple[int, int]:
     """Bytes of an operand element and of a result element."""
-    return (np.dtype(self.dtype).itemsize,
-            np.dtype(self.out_dtype or self.dtype).itemsize)
+    return (np.dtype(self.dtype).itemsize, self.result_dtype.itemsize)
+
+  def dtype_label(self) -> str:
+    """The dtypes as the decision record names them: `e4m3 x e4m3 -> bf16`
+    (`bf16 -> f32` where both operands share a dtype)."""
+    lhs, rhs = self.operand_dtypes
+    operands = (short_dtype_name(lhs) if lhs == rhs else
+                f"{short_dtype_name(lhs)} x {short_dtype_name(rhs)}")
+    if lhs == rhs and not self.is_fp8:
+      return (operands if self.result_dtype == lhs
+              else f"{operands} -> {short_dtype_name(self.result_dtype)}")
+    if lhs == rhs:
+      operands = f"{operands} x {operands}"
+    return f"{operands} -> {short_dtype_name(self.result_dtype)}"
 
   def backward(self) -> Problem:
-    """The backward's problem (dx of the other collective): the cotangent
-    (this result's dtype, widened to meet the weight's) times w.T, written
-    in the operands' dtype."""
-    dtype = jnp.promote_types(self.out_dtype or self.dtype, self.dtype)
-    return Problem(self.rows, self.n, self.k, np.dtype(dtype),
-                   self.axis_size, np.dtype(self.dtype))
+    """The backward's problem (dx of the other collective), as the op's
+    backward runs it (`primitives`): the cotangent (this result's dtype)
+    times w.T, both in the wider of the cotangent's and the weight's dtypes
+    (an fp8 weight meets a bf16 cotangent as bf16), written in the
+    activation's dtype, or for an fp8 activation in that wider dtype (its
+    gradient is rounded to fp8 once, after the collective)."""
+    lhs, rhs = self.operand_dtypes
+    dtype = wider_dtype(self.result_dtype, rhs)
+    out = dtype if lhs.itemsize == 1 else lhs
+    return Problem(self.rows, self.n, self.k, dtype, self.axis_size, out)

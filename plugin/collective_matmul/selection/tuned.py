@@ -24,11 +24,11 @@ from typing import Mapping
 
 from absl import logging
 import jax
-import numpy as np
 
 from collective_matmul.enums import Collective
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import DEFAULT_SM_COUNT
+from collective_matmul.kernels.configs import FP8_TILE_K
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
@@ -69,10 +69,14 @@ def cache_path() -> str:
 
 def cache_key(problem: Problem, device_kind: str,
               collective=Collective.ALL_GATHER) -> str:
-  """Key of a cache or table entry for `problem` (its result dtype aside);
-  the two kernels' entries never mix."""
+  """Key of a cache or table entry for `problem` (its result dtype aside):
+  the operands' dtype, or both where they differ (`float8_e5m2,
+  float8_e4m3fn`), so a bf16 entry never serves fp8 operands; the two
+  kernels' entries never mix."""
   collective = Collective.parse(collective, "collective")
-  key = (f"{device_kind}|{np.dtype(problem.dtype).name}|"
+  lhs, rhs = problem.operand_dtypes
+  dtypes = lhs.name if lhs == rhs else f"{lhs.name},{rhs.name}"
+  key = (f"{device_kind}|{dtypes}|"
          f"D={problem.axis_size}|{problem.rows}x{problem.k}x{problem.n}")
   return (key if collective == Collective.ALL_GATHER
           else f"{collective.value}|{key}")
@@ -295,18 +299,25 @@ def measured_config(collective: Collective, problem: Problem,
   """The first measured config of `problem` for `collective`'s kernel,
   with as many of its pipeline stages as fit shared memory for the
   problem's dtypes (`TileConfig.fit_shared_memory`), and its source: the
-  autotune cache's, then the packaged table's; else None."""
+  autotune cache's, then the packaged table's; else None. An entry the
+  problem's operands cannot run with (fp8 needs `FP8_TILE_K`) is a miss,
+  logged once."""
   for source, lookup in ((AUTOTUNE_CACHE, load_cached_config),
                          (PACKAGED_TABLE, packaged_config)):
     found = lookup(problem, device_kind, collective=collective)
     if found is None:
       continue
+    if problem.is_fp8 and found.tile_k != FP8_TILE_K:
+      _log_miss(source,
+                f"entry {cache_key(problem, device_kind, collective)!r}",
+                f"tile_k={found.tile_k}: fp8 operands need tile_k="
+                f"{FP8_TILE_K}")
+      continue
     fitted = found.fit_shared_memory(*problem.itemsizes)
     if fitted is not None:
       return fitted, source
     _log_miss(source, f"entry {cache_key(problem, device_kind, collective)!r}",
-              "it needs more shared memory than a block has, with "
-              f"{np.dtype(problem.dtype).name} operands and "
-              f"{np.dtype(problem.out_dtype or problem.dtype).name} results")
+              "it needs more shared memory than a block has with "
+              f"{problem.dtype_label()}")
   return None
 
