@@ -413,6 +413,11 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
     return ("shard_mode=explicit (the adapter serves MaxText's logical, "
             "Auto-sharded route)"), None, name
   if any(f.kind == "moe" for f in owners):
+    if owner is not None and owner.kind == "mlp":
+      return ("inside a mixture-of-experts block: its shared experts "
+              "(RoutedAndSharedMoE), an MlpBlock of the dense pattern that "
+              "the adapter does not serve there yet (qwen3-next's shared "
+              "expert, outside it, is served)"), None, name
     return "inside a mixture-of-experts block", None, name
   if owner is None:
     return (f"kernel axes {kernel_axes}: not a projection of an MlpBlock, "
