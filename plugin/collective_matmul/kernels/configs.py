@@ -146,13 +146,14 @@ class TileConfig:
     stagger_steps: 0 (default: the two compute warpgroups run each tile's
       k loop in step), or how many pipeline steps compute warpgroup 1
       trails warpgroup 0: it starts a block's first tile once warpgroup 0
-      has issued that many steps. Each warpgroup's epilogue then runs
-      while the other still multiplies (its half of the same CTA tile, so
-      no more bytes loaded per flop, unlike ping-pong tiles), and the lag
-      re-forms at every tile: the trailing warpgroup catches up during
-      the leader's epilogue, the leader gains it back during the
-      trailer's. Both consume every slot, so the lag is below
-      `max_concurrent_steps`.
+      has issued that many steps, so that each warpgroup's epilogue may run
+      while the other still multiplies its half of the same CTA tile (no
+      more bytes loaded per flop, unlike ping-pong tiles). Both consume
+      every slot, so the lag is below `max_concurrent_steps`, and it is
+      paid for in prefetch: a slot is freed only once the trailing
+      warpgroup consumed it, so the leader loads `stagger_steps` steps
+      less ahead. Off by default: it has not been faster where measured
+      (benchmarks/gemm_core, run 11).
   """
 
   tile_m: int = 128

@@ -478,7 +478,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
           with tracing.phase("epilogue"):
             epilogue(acc_ref)
 
-      first_tile = loop_info.local_index == 0
+      first_tile = (loop_info.local_index == 0) if stagger else None
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         (kk,) = idxs
