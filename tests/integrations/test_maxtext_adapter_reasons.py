@@ -53,7 +53,7 @@ def test_the_output_projections_are_reduce_scatters():
     (dict(fp8=True), {}, "fp8"),
     (dict(kernel=jnp.zeros((16, 32), jnp.float8_e4m3fn)), {}, "fp8"),
     ({}, dict(shard_mode="ShardMode.EXPLICIT"), "shard_mode=explicit"),
-    ({}, dict(moe=True), "mixture-of-experts"),
+    ({}, dict(moe=True, owner=None), "inside a mixture-of-experts block"),
     ({}, dict(owner=None), "not a projection of an MlpBlock, Attention or "
      "the decoder's output head"),
     ({}, dict(mode="prefill"), "model_mode='prefill'"),
@@ -134,11 +134,47 @@ def test_a_quantized_layers_construction_call_is_not_recorded():
 
 def test_a_projection_nested_in_another_owner_is_named_through_it():
   # deepseek: the shared experts' MlpBlock inside the MoE block, and the
-  # dense layers' MlpBlock, have the same attributes: the names differ.
-  _, _, nested = _reason(_stack(("embed", "mlp"), moe=True))
-  _, _, dense_layer = _reason(_stack(("embed", "mlp")))
+  # dense layers' MlpBlock, have the same attributes: the names differ, and
+  # both are served as MlpBlock's projections.
+  nested_reason, nested_projection, nested = _reason(
+      _stack(("embed", "mlp"), moe=True))
+  _, dense_projection, dense_layer = _reason(_stack(("embed", "mlp")))
   assert nested == "moe/shared_experts/wi_0"
   assert dense_layer == "mlp/wi_0"
+  assert nested_reason is None and nested_projection is dense_projection
+
+
+@pytest.mark.parametrize("kernel_axes,attr,collective", [
+    (("embed", "mlp"), "wi_0", "all_gather"),
+    (("embed", "num_activations", "mlp"), "wi", "all_gather"),
+    (("mlp", "embed"), "wo", "reduce_scatter"),
+])
+def test_the_shared_experts_in_a_moe_block_are_served_where_they_match(
+    kernel_axes, attr, collective):
+  # RoutedAndSharedMoE (deepseek, llama4): its shared experts are an
+  # MlpBlock; weights of the dense pattern are served as any MlpBlock's.
+  reason, projection, name = _reason(_stack(kernel_axes, attr=attr,
+                                            moe=True))
+  assert reason is None and name == f"moe/shared_experts/{attr}"
+  assert projection == projections.find_projection("mlp", kernel_axes)
+  assert projection.collective == collective
+
+
+def test_the_shared_experts_in_a_moe_block_that_do_not_match_are_left():
+  # Weights that are not the dense pattern: left, the reason saying where
+  # they are and which axes do not match.
+  reason, projection, name = _reason(_stack(("embed_moe", "mlp_moe"),
+                                            moe=True))
+  assert projection is None and name == "moe/shared_experts/wi_0"
+  assert reason == (
+      "the shared experts of a mixture-of-experts block (RoutedAndSharedMoE's "
+      "MlpBlock): kernel axes ('embed_moe', 'mlp_moe') are not a known mlp "
+      "projection")
+  # Outside training too, as every MlpBlock.
+  reason, projection, _ = _reason(_stack(("embed", "mlp"), moe=True,
+                                         mode="inference"))
+  assert projection is None and reason == (
+      "model_mode='inference' (the adapter serves training)")
 
 
 def test_owners_of_one_kind_nested_are_one_name_part():
@@ -220,3 +256,18 @@ def test_a_dense_inside_a_layer_but_not_its_own_is_left():
   stack[0] = adapter._Frame("layer", types.SimpleNamespace(), "train")
   reason, projection, _ = _reason(stack)
   assert projection is None and "not one of its own projections" in reason
+
+
+@pytest.mark.parametrize("model_mode,model_call_mode,expected", [
+    ("train", "", "train"),
+    ("prefill", "", "prefill"),
+    # RoutedAndSharedMoE builds its shared experts without a model mode.
+    (None, "", "train"),
+    (None, "inference", "inference"),
+])
+def test_an_mlp_block_without_a_model_mode_takes_maxtexts_call_mode(
+    model_mode, model_call_mode, expected):
+  block = types.SimpleNamespace(
+      model_mode=model_mode,
+      config=types.SimpleNamespace(model_call_mode=model_call_mode))
+  assert adapter._mlp_model_mode(block) == expected

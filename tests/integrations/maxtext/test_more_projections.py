@@ -60,20 +60,35 @@ def assert_same_training(on, off, bf16_gradients=(), rounding_only=()):
 
 
 
-def test_mla_out_projection_is_served_with_the_same_losses_and_gradients():
+def test_mla_out_projection_and_shared_experts_are_served_the_same():
   # deepseek's multi-head latent attention: its out projection is
   # Attention's; its low-rank query and key/value projections are left.
+  # Its MoE layer (RoutedAndSharedMoE): the shared experts, an MlpBlock of
+  # the dense pattern, are served; the routed experts and the gate are left.
   on = cached_train("deepseek3-tiny-f32-ring", model="deepseek3-tiny",
                     dtype="f32", plugin=RING, steps=STEPS)
   off = cached_train("deepseek3-tiny-f32-off", model="deepseek3-tiny",
                      dtype="f32", plugin=(), steps=STEPS)
-  (line,) = {l for l in on.decision_lines()
-             if l.startswith("attention/out ")}
-  assert "rewritten -> ring over 'tensor_sequence' (matmul + " in line, line
+  for name, how in (
+      ("attention/out", "'tensor_sequence' (matmul + reduce-scatter)"),
+      ("moe/shared_experts/wi_0", "'tensor_sequence'"),
+      ("moe/shared_experts/wi_1", "'tensor_sequence'"),
+      ("moe/shared_experts/wo", "'tensor_sequence' (matmul + reduce-scatter)"),
+      # The dense first layer's MlpBlock, named apart from them.
+      ("mlp/wi_0", "'tensor_sequence'")):
+    lines = {l for l in on.decision_lines() if l.startswith(name + " ")}
+    assert lines, (name, on.stdout)
+    for line in lines:
+      assert f"rewritten -> ring over {how}" in line, line
+      assert ("reduce-scatter" in how) == ("reduce-scatter" in line), line
   summary = _summary(on)
-  for name in ("attention/wq_a", "attention/wkv_b", "moe/gate", "moe/wo",
-               "moe/shared_experts/wi_0", "mlp/wi_0"):
-    assert name in summary, (name, summary)
+  left = summary[summary.index("left to MaxText / XLA"):]
+  for name in ("attention/wq_a", "attention/wkv_b", "moe/gate", "moe/wo"):
+    assert name in left, (name, summary)
+  assert "moe/wo: left to MaxText: routed experts" in left, left
+  assert "shared_experts" not in left, left
+  # Their gradients are among those checked (MaxText's parameter names).
+  assert any("shared_experts" in k for k in _first_moments(on))
   assert_same_training(on, off)
 
 

@@ -6,10 +6,11 @@ called from `DenseGeneral.__call__`, which knows only the kernel's logical
 axes. `install()` wraps those two private names, and the `__call__` of the
 modules that own the projections (`MlpBlock`, `Attention` and its
 `compute_shared_kv`, the decoder's output head, MoE blocks and their router
-gate, which are left alone, and the models' own owners: gpt3's attention,
-gemma4_small's decoder layer and per-layer embedder, qwen3-next's Gated
-DeltaNet and MoE block, qwen3-custom's decoder layer), so
-that at trace time the dot_general of a known projection in a training graph
+gate, whose routed experts and gate are left alone (a MoE block's shared
+experts are an MlpBlock, served as any), and the models' own owners: gpt3's
+attention, gemma4_small's decoder layer and per-layer embedder, qwen3-next's
+Gated DeltaNet and MoE block, qwen3-custom's decoder layer), so that at
+trace time the dot_general of a known projection in a training graph
 becomes `collective_matmul.logical_dot_general` with the activation's and
 result's logical axes from `projections.PROJECTIONS`; so does the output
 head's tied-embedding logits (`attend_on_embedding`). Everything else takes
@@ -302,7 +303,7 @@ def install(allow_untested_version: bool | None = None) -> str:
     return {"self_attention": same and not shared}
 
   _patch(linears.MlpBlock, "__call__", owner_call(
-      "mlp", lambda self, a, kw: getattr(self, "model_mode", None) or _TRAIN))
+      "mlp", lambda self, a, kw: _mlp_model_mode(self)))
   for attention_class in (attentions.Attention, attention_mla.MLA):
     _patch(attention_class, "__call__", owner_call(
         "attention", lambda self, a, kw: kw.get("model_mode", _TRAIN),
@@ -363,6 +364,15 @@ def install(allow_untested_version: bool | None = None) -> str:
   return version
 
 
+def _mlp_model_mode(mlp_block) -> str:
+  """An MlpBlock's model mode; one built without (RoutedAndSharedMoE's
+  shared experts): MaxText's model_call_mode ("inference" under vLLM), which
+  qwen3-next's shared expert is built with, and "" is training."""
+  return (getattr(mlp_block, "model_mode", None) or
+          getattr(getattr(mlp_block, "config", None), "model_call_mode",
+                  None) or _TRAIN)
+
+
 def uninstall() -> None:
   """Restores MaxText's own functions."""
   attention.uninstall()
@@ -412,12 +422,11 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if "EXPLICIT" in str(getattr(dense, "shard_mode", "")).upper():
     return ("shard_mode=explicit (the adapter serves MaxText's logical, "
             "Auto-sharded route)"), None, name
-  if any(f.kind == "moe" for f in owners):
-    if owner is not None and owner.kind == "mlp":
-      return ("inside a mixture-of-experts block: its shared experts "
-              "(RoutedAndSharedMoE), an MlpBlock of the dense pattern that "
-              "the adapter does not serve there yet (qwen3-next's shared "
-              "expert, outside it, is served)"), None, name
+  # A mixture-of-experts block (RoutedAndSharedMoE) holds its shared
+  # experts, an MlpBlock: served as every MlpBlock where its weights are the
+  # dense pattern; anything else in it is left.
+  in_moe = any(f.kind == "moe" for f in owners)
+  if in_moe and (owner is None or owner.kind != "mlp"):
     return "inside a mixture-of-experts block", None, name
   if owner is None:
     return (f"kernel axes {kernel_axes}: not a projection of an MlpBlock, "
@@ -431,10 +440,14 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
         kernel_axes, *projections.RULES_UNSHARDED[owner.kind, kernel_axes]
     ), None, name
   if projection is None:
-    return projections.LEFT.get(
+    reason = projections.LEFT.get(
         (owner.kind, kernel_axes),
         f"kernel axes {kernel_axes} are not a known {owner.kind} "
-        "projection"), None, name
+        "projection")
+    if in_moe:
+      reason = ("the shared experts of a mixture-of-experts block "
+                f"(RoutedAndSharedMoE's MlpBlock): {reason}")
+    return reason, None, name
   if owner.model_mode != _TRAIN:
     return (f"model_mode={owner.model_mode!r} (the adapter serves "
             "training)"), None, name
