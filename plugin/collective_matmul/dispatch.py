@@ -39,19 +39,21 @@ def _rows_layout(x, axis, config):
   return moved.reshape(rows, x.shape[-1]), None, True
 
 
-def _weight_for_kernel(x, w, layout_arg):
-  """(the weight as the kernels take it, the keywords that say how): `[k,
-  n]` as given (no keyword), or for fp8 operands `[n, k]` with
-  `layout_arg="nk"`, since 8-bit wgmma operands are read K-major. A weight
-  that arrives as the transpose of a K-major array (the dgrad's `w.T`)
-  becomes that array again: XLA folds the two transposes."""
+def _weight_for_kernel(x, w, layout_arg, scale):
+  """(the weight as the kernels take it, the keywords that say how, each
+  passed only when set): `[k, n]` as given, or for fp8 operands `[n, k]`
+  with `layout_arg="nk"`, since 8-bit wgmma operands are read K-major (a
+  weight that arrives as the transpose of a K-major array, the dgrad's
+  `w.T`, becomes that array again: XLA folds the two transposes); and the
+  `scale`."""
+  options = {} if scale is None else {"scale": scale}
   if configs.is_fp8(x.dtype) or configs.is_fp8(w.dtype):
-    return w.T, {layout_arg: "nk"}
-  return w, {}
+    return w.T, dict(options, **{layout_arg: "nk"})
+  return w, options
 
 
 def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
-                              preferred_element_type, return_gathered):
+                              preferred_element_type, return_gathered, scale):
   # bf16/f16 and fp8 operands always accumulate in f32 on the MMA unit:
   # precision has nothing to select. The kernel hands back the shards it
   # received.
@@ -59,11 +61,11 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
   x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
-  w_kernel, layout = _weight_for_kernel(x, w, "rhs_layout")
+  w_kernel, options = _weight_for_kernel(x, w, "rhs_layout", scale)
   result = kernels.all_gather_lhs_matmul(
       x2d, w_kernel, axis_name, config=config,
       out_dtype=preferred_element_type, rows_per_batch=per_batch,
-      return_gathered=return_gathered, **layout)
+      return_gathered=return_gathered, **options)
   out2d, held = result if return_gathered else (result, None)
   gathered_shape = list(x.shape)
   gathered_shape[gather_axis] *= axis_size
@@ -87,7 +89,7 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
 
 
 def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
-                                  precision, preferred_element_type):
+                                  precision, preferred_element_type, scale):
   del precision  # As for the all-gather kernel.
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
@@ -96,19 +98,19 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
   rows = math.prod(x.shape[:-1])
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
-  w_kernel, layout = _weight_for_kernel(x, w, "w_layout")
+  w_kernel, options = _weight_for_kernel(x, w, "w_layout", scale)
   if scatter_axis == 0 or selection.supports_rows_per_batch(
       config, rows // axis_size, per_block):
     out2d = kernels.matmul_reduce_scatter(
         x.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
         out_dtype=preferred_element_type, rows_per_batch=per_block,
-        **layout)
+        **options)
     return out2d.reshape(out_shape)
   moved = jnp.moveaxis(x, scatter_axis, 0)
   lead = moved.shape[:-1]
   out2d = kernels.matmul_reduce_scatter(
       moved.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
-      out_dtype=preferred_element_type, **layout)
+      out_dtype=preferred_element_type, **options)
   out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
   return jnp.moveaxis(out, 0, scatter_axis)
 
@@ -126,39 +128,39 @@ def contract_leading(a, b, precision):
 
 def _baseline_all_gather_matmul(x, w, axis_name, gather_axis, config,
                                 precision, preferred_element_type,
-                                return_gathered):
+                                return_gathered, scale):
   del config  # The baseline has none.
   return ring.baseline_all_gather_matmul(
       x, w, axis_name, gather_axis=gather_axis, precision=precision,
       preferred_element_type=preferred_element_type,
-      return_gathered=return_gathered)
+      return_gathered=return_gathered, scale=scale)
 
 
 def _baseline_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
-                                    precision, preferred_element_type):
+                                    precision, preferred_element_type, scale):
   del config  # The baseline has none.
   return ring.baseline_matmul_reduce_scatter(
       x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
-      preferred_element_type=preferred_element_type)
+      preferred_element_type=preferred_element_type, scale=scale)
 
 
 def _ring_all_gather_matmul(x, w, axis_name, gather_axis,
                             config: ring.RingConfig, precision,
-                            preferred_element_type, return_gathered):
+                            preferred_element_type, return_gathered, scale):
   return ring.ring_all_gather_matmul(
       x, w, axis_name, gather_axis=gather_axis,
       bidirectional=config.bidirectional, precision=precision,
       preferred_element_type=preferred_element_type,
-      return_gathered=return_gathered)
+      return_gathered=return_gathered, scale=scale)
 
 
 def _ring_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
                                 config: ring.RingConfig, precision,
-                                preferred_element_type):
+                                preferred_element_type, scale):
   return ring.ring_matmul_reduce_scatter(
       x, w, axis_name, scatter_axis=scatter_axis,
       bidirectional=config.bidirectional, precision=precision,
-      preferred_element_type=preferred_element_type)
+      preferred_element_type=preferred_element_type, scale=scale)
 
 
 class Implementation(NamedTuple):
@@ -166,9 +168,12 @@ class Implementation(NamedTuple):
   config for it:
 
     all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
-                      preferred_element_type, return_gathered)
+                      preferred_element_type, return_gathered, scale)
     matmul_reduce_scatter(x, w, axis_name, scatter_axis, config, precision,
-                          preferred_element_type)
+                          preferred_element_type, scale)
+
+  `scale`: None, or a float32 scalar multiplying the f32 accumulation
+  before the cast to the result's dtype (`ring`'s module docstring).
   """
 
   all_gather_matmul: Callable[..., Any]
@@ -187,19 +192,21 @@ IMPLEMENTATIONS = types.MappingProxyType({
 
 def collective_matmul(collective: Collective, impl: Impl, config, x, w,
                       axis_name, axis, precision, preferred_element_type,
-                      return_gathered: bool = False):
-  """`collective`'s matmul by `impl` with its `config`: the product, or
-  `(product, all_gather(x))` with `return_gathered` (all-gather only).
-  `axis` is the gathered or the scattered dimension of `x`."""
+                      return_gathered: bool = False, scale=None):
+  """`collective`'s matmul by `impl` with its `config`: the product (times
+  `scale`, applied to the f32 accumulation), or `(product, all_gather(x))`
+  with `return_gathered` (all-gather only). `axis` is the gathered or the
+  scattered dimension of `x`."""
   implementation = IMPLEMENTATIONS[impl]
   if collective == Collective.ALL_GATHER:
     return implementation.all_gather_matmul(
         x, w, axis_name, axis, config, precision, preferred_element_type,
-        return_gathered)
+        return_gathered, scale)
   if return_gathered:
     raise ValueError("only the all-gather matmul gathers its operand")
   return implementation.matmul_reduce_scatter(
-      x, w, axis_name, axis, config, precision, preferred_element_type)
+      x, w, axis_name, axis, config, precision, preferred_element_type,
+      scale)
 
 
 def times_weight_transposed(dy, w):

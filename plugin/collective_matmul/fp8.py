@@ -5,17 +5,26 @@ with the same scaling math, done by Flax's own functions (`in_q`, `out_dq`,
 `update_fp8_meta`, `quantize`, `dequantize`) on the global arrays, outside
 any `shard_map`: every amax is the global one, and the scales and amax
 histories it returns as gradients are those Flax's program returns. Only
-the products differ in where they run:
+the products differ in where they run, and in where two of them are
+dequantized:
 
 * forward, `q_lhs x q_rhs` (e4m3 x e4m3): the drop-in, which serves an
   all-gather-then-matmul (or, given the result's layout, a
-  matmul-then-reduce-scatter) as a collective matmul;
+  matmul-then-reduce-scatter) as a collective matmul, with the product of
+  the two scales as its `scale`: a collective matmul multiplies its f32
+  accumulation by it before the cast (the kernels in their epilogue, as
+  cuBLASLt fuses the scales), where Flax rounds the product to the result
+  dtype and then multiplies it by the scale (rounded to that dtype too);
 * dgrad, `q_g x q_rhs` (e5m2 x e4m3): the drop-in, told the result's layout
   (the lhs's: its sharding in Explicit mode, its logical axes otherwise),
   so an all-gather matmul's dgrad is served as a matmul + reduce-scatter
-  and the other way round;
+  and the other way round; scaled as the forward is;
 * wgrad, `q_g x q_lhs` (e5m2 x e4m3, contracting the rows): XLA's, as in
-  Flax's program (a contraction over the rows is neither pattern).
+  Flax's program (a contraction over the rows is neither pattern),
+  dequantized after, as Flax does.
+
+A product the drop-in leaves to XLA (and every product with the plugin
+off) is dequantized after, exactly as in Flax's program.
 
 `Fp8DirectDotGeneralOp` is Flax's module of that name (the same variables,
 collection, names, shapes, dtypes and initialisers: it subclasses
@@ -46,6 +55,13 @@ _E5M2 = jnp.float8_e5m2
 _to_f32 = fp8_ops._fm32_to_float32
 _parse_dot_inputs = fp8_ops._parse_dot_inputs
 # pylint: enable=protected-access
+
+
+def _product_scale(a, b):
+  """The per-tensor scale of a product of operands scaled by `a` and `b`
+  (Flax holds each as shape (1,)), as the f32 scalar a collective matmul
+  takes."""
+  return jnp.reshape(_to_f32(a) * _to_f32(b), ())
 
 
 def _transpose_dims(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
@@ -132,17 +148,19 @@ class Fp8Dots:
   name: str | None = None
   config: config_lib.CollectiveMatmulConfig | None = None
 
-  def forward(self, q_lhs, q_rhs, dimension_numbers, preferred_element_type):
+  def forward(self, q_lhs, q_rhs, dimension_numbers, preferred_element_type,
+              scale):
+    """The dequantized product `q_lhs x q_rhs` times `scale`."""
     return override.collective_dot_general(
         q_lhs, q_rhs, dimension_numbers, lax.Precision.DEFAULT,
         preferred_element_type, self.out_sharding, lhs_axes=self.lhs_axes,
         rhs_axes=self.rhs_axes, out_axes=self.out_axes, name=self.name,
-        config=self.config)
+        config=self.config, scale=scale)
 
   def dgrad(self, q_g, q_lhs, q_rhs, dimension_numbers,
-            preferred_element_type):
-    """The lhs's gradient before dequantization, `q_g x q_rhs`, in the
-    lhs's layout."""
+            preferred_element_type, scale):
+    """The lhs's gradient, `q_g x q_rhs` times `scale` (dequantized), in
+    the lhs's layout."""
     dims, perm = _transpose_dims(dimension_numbers, q_lhs.ndim, q_rhs.ndim)
     out_sharding = out_axes = None
     if self.lhs_axes is not None:
@@ -153,7 +171,7 @@ class Fp8Dots:
         q_g, q_rhs, dims, lax.Precision.HIGHEST, preferred_element_type,
         out_sharding, lhs_axes=self.grad_axes, rhs_axes=self.rhs_axes,
         out_axes=out_axes, name=None if self.name is None
-        else f"{self.name}/dgrad", config=self.config)
+        else f"{self.name}/dgrad", config=self.config, scale=scale)
     return lax.transpose(product, tuple(np.argsort(perm)))
 
   def wgrad(self, q_g, q_lhs, q_rhs, dimension_numbers,
@@ -180,20 +198,24 @@ class Fp8Dots:
 def quantized_dot(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
                   out_grad_scale, out_grad_amax_history, dimension_numbers,
                   preferred_element_type, dots: Fp8Dots):
-  """Flax's `quantized_dot` (the same arguments, plus `dots`), its products
-  run by `dots`: the fp8 product forward; backward, the cotangent's scale
-  and amax history updated (returned as their gradients), the cotangent
-  quantized to e5m2, and the two gradient products dequantized into the
-  gradients of `lhs` and `rhs`."""
-  del lhs, lhs_scale, rhs, rhs_scale, out_grad_scale, out_grad_amax_history
+  """Flax's `quantized_dot` (the same arguments, plus `dots`) and its
+  `out_dq` in one, its products run by `dots`: the fp8 product forward,
+  dequantized by `lhs_scale * rhs_scale`; backward (as Flax's, whose
+  `out_dq` passes the cotangent through), the cotangent's scale and amax
+  history updated (returned as their gradients), the cotangent quantized
+  to e5m2, and the two gradient products dequantized into the gradients of
+  `lhs` and `rhs`."""
+  del lhs, rhs, out_grad_scale, out_grad_amax_history
   return dots.forward(q_lhs, q_rhs, dimension_numbers,
-                      preferred_element_type)
+                      preferred_element_type,
+                      _product_scale(lhs_scale, rhs_scale))
 
 
 def _quantized_dot_fwd(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
                        out_grad_scale, out_grad_amax_history,
                        dimension_numbers, preferred_element_type, dots):
-  out = dots.forward(q_lhs, q_rhs, dimension_numbers, preferred_element_type)
+  out = dots.forward(q_lhs, q_rhs, dimension_numbers, preferred_element_type,
+                     _product_scale(lhs_scale, rhs_scale))
   return out, (lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale, out_grad_scale,
                out_grad_amax_history)
 
@@ -206,11 +228,9 @@ def _quantized_dot_bwd(dimension_numbers, preferred_element_type, dots, res,
       g, _E5M2, out_grad_scale, out_grad_amax_history)
   q_g = fp8_ops.quantize(g, _E5M2, _to_f32(new_out_grad_scale),
                          preferred_element_type)
-  grad_lhs = fp8_ops.dequantize(
-      dots.dgrad(q_g, q_lhs, q_rhs, dimension_numbers,
-                 preferred_element_type),
-      preferred_element_type,
-      _to_f32(rhs_scale) * _to_f32(new_out_grad_scale))
+  grad_lhs = dots.dgrad(q_g, q_lhs, q_rhs, dimension_numbers,
+                        preferred_element_type,
+                        _product_scale(rhs_scale, new_out_grad_scale))
   grad_rhs = fp8_ops.dequantize(
       dots.wgrad(q_g, q_lhs, q_rhs, dimension_numbers,
                  preferred_element_type),
@@ -242,8 +262,10 @@ def fp8_scaled_dot_general(
   the drop-in `dot_general`.
 
   Both operands are quantized to e4m3 with their delayed scales, the
-  product is dequantized into `preferred_element_type`; the backward
-  quantizes the cotangent to e5m2. The scales and amax histories come back
+  product is dequantized into `preferred_element_type` (by a collective
+  matmul in its f32 accumulation, rounded once; left to XLA, after the
+  product, as Flax does: module docstring); the backward quantizes the
+  cotangent to e5m2. The scales and amax histories come back
   as the gradients of `*_scale` and `*_amax_history` (Flax's
   `_overwrite_with_gradient` convention).
 
@@ -281,11 +303,9 @@ def fp8_scaled_dot_general(
                                       lhs_scale, lhs_amax_history)
   q_rhs, new_rhs_scale = fp8_ops.in_q(quantize_compute_type, _E4M3, rhs,
                                       rhs_scale, rhs_amax_history)
-  y = quantized_dot(lhs, q_lhs, new_lhs_scale, rhs, q_rhs, new_rhs_scale,
-                    grad_scale, grad_amax_history, dimension_numbers,
-                    preferred_element_type, dots)
-  return fp8_ops.out_dq(preferred_element_type, new_lhs_scale,
-                        new_rhs_scale, y)
+  return quantized_dot(lhs, q_lhs, new_lhs_scale, rhs, q_rhs, new_rhs_scale,
+                       grad_scale, grad_amax_history, dimension_numbers,
+                       preferred_element_type, dots)
 
 
 class Fp8DirectDotGeneralOp(fp8_ops.Fp8DotGeneralBase):

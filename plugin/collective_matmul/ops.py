@@ -52,6 +52,20 @@ def _check_operands(x, w, axis, axis_arg):
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
+def _check_scale(scale, x):
+  """The op's `scale` as an array: None, or a float32 scalar."""
+  if scale is None:
+    return None
+  scale = jnp.asarray(scale)
+  if scale.shape != () or scale.dtype != jnp.float32:
+    raise ValueError(f"scale of shape {scale.shape} and dtype {scale.dtype}: "
+                     "expected a float32 scalar (shape ())")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"scale with {x.dtype} operands: a scale multiplies a "
+                     "floating-point accumulation")
+  return scale
+
+
 def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
           bidirectional, backward_impl, preferred_element_type, plan):
   """The plan a public op runs: the caller's `plan`, else `selection.choose`
@@ -116,7 +130,14 @@ _PLAN_ARGS_DOC = """
       None for `impl`'s choice.
     plan: a `selection.KernelPlan` (what the drop-in `dot_general` chose),
       instead of `impl`, `kernel_config`, `bidirectional` and
-      `backward_impl`."""
+      `backward_impl`.
+    scale: None, or a float32 scalar (shape `()`, the same on every device
+      of the axis) that the product's float32 accumulation is multiplied by
+      before it is cast to the result's dtype (fp8: the product of the
+      operands' per-tensor scales; the kernels apply it in their
+      epilogue). Differentiable: the gradients of x and w are scaled by
+      it, and its own derivative is the unscaled product, computed again
+      (in the result's dtype) only where the scale's gradient is taken."""
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
@@ -125,8 +146,10 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       precision=None, preferred_element_type=None,
                       kernel_config=None, save_gathered: bool = True,
                       backward_impl: Impl | str | None = None,
-                      plan: selection.KernelPlan | None = None):
-  """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped.
+                      plan: selection.KernelPlan | None = None,
+                      scale=None):
+  """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped
+  (times `scale`).
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
@@ -152,11 +175,12 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
   _check_operands(x, w, gather_axis, "gather_axis")
+  scale = _check_scale(scale, x)
   plan = _plan(Collective.ALL_GATHER, x, w, axis_name, impl, kernel_config,
                bidirectional, backward_impl, preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
       Collective.ALL_GATHER, axis_name, gather_axis, plan, precision,
-      preferred_element_type, save_gathered))[0]
+      preferred_element_type, save_gathered), scale=scale)[0]
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
@@ -165,9 +189,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           precision=None, preferred_element_type=None,
                           kernel_config=None, save_gathered: bool = True,
                           backward_impl: Impl | str | None = None,
-                          plan: selection.KernelPlan | None = None):
+                          plan: selection.KernelPlan | None = None,
+                          scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
-  tiled=True)`, overlapped.
+  tiled=True)`, overlapped (times `scale`).
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
@@ -186,8 +211,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
       `ring.RingConfig`.
     precision, preferred_element_type: as in `lax.dot_general`. `ring` sums
       the D partial products in float32 (or the wider
-      `preferred_element_type`) and casts once at the end; `baseline` sums
-      in the product's dtype, as XLA's reduce-scatter does.
+      `preferred_element_type`) and casts once at the end; `baseline` and
+      `pallas` sum in the product's dtype, as XLA's reduce-scatter does
+      (with `scale`, each partial product scaled before it is cast).
     save_gathered: (default, as in `CollectiveMatmulConfig`) in the
       backward, use the gathered cotangent that the dx all-gather matmul
       assembles for dw too (D x the cotangent shard's
@@ -199,12 +225,13 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     over the axis, on device d.
   """
   _check_operands(x, w, scatter_axis, "scatter_axis")
+  scale = _check_scale(scale, x)
   plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, impl,
                kernel_config, bidirectional, backward_impl,
                preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
       Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, precision,
-      preferred_element_type, save_gathered))[0]
+      preferred_element_type, save_gathered), scale=scale)[0]
 
 
 all_gather_matmul.__doc__ = all_gather_matmul.__doc__.format(

@@ -65,11 +65,14 @@ def _dtype_reason(lhs_dtype, rhs_dtype, preferred_element_type
 
 
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-           out_sharding):
+           out_sharding, scale=None):
+  """`lax.dot_general`; with `scale`, its result times the scale in the
+  result's dtype (as Flax's fp8 `dequantize` does after its product)."""
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                         preferred_element_type=preferred_element_type,
-                         **kwargs)
+  out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                        preferred_element_type=preferred_element_type,
+                        **kwargs)
+  return out if scale is None else out * scale.astype(out.dtype)
 
 
 def _mesh_of(lhs, rhs, mode):
@@ -181,12 +184,13 @@ def _canonical_rhs(rhs_block, rhs_contract):
 
 def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
             dimension_numbers, precision, preferred_element_type,
-            save_gathered: bool) -> list[jax.Array]:
+            save_gathered: bool, scale=None) -> list[jax.Array]:
   """Matched `dot_general`s of one activation as ONE collective op in a
   `shard_map`, as `kernel_plan` says: one call as its own pattern; several
   (all-gather matches of the same activation over the same axis) over
   their weights' local columns concatenated inside the `shard_map` (each
   device concatenates its own shards, so no weight moves), split after.
+  `scale`: the op's (an f32 scalar, replicated), or None.
 
   Returns:
     One result per call, in order.
@@ -205,13 +209,16 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
                            gather_axis=lhs_free.index(match.lhs_gather_dim))
 
   def body(lhs_block, *rhs_blocks):
+    scale_block = None
+    if scale is not None:
+      *rhs_blocks, scale_block = rhs_blocks
     x = _canonical_lhs(lhs_block, lhs_contract)
     ws, free_shapes = zip(*(_canonical_rhs(block, rhs_contract)
                             for block in rhs_blocks))
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
     y = op(x, w, match.axis, plan=kernel_plan, precision=precision,
            preferred_element_type=preferred_element_type,
-           save_gathered=save_gathered)
+           save_gathered=save_gathered, scale=scale_block)
     parts = ([y] if len(ws) == 1 else
              jnp.split(y, np.cumsum([w.shape[1] for w in ws])[:-1], axis=-1))
     return tuple(part.reshape(part.shape[:-1] + free_shape)
@@ -225,12 +232,14 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
     lhs = jax.sharding.reshard(lhs, to_p(match.lhs_spec))
     rhss = [jax.sharding.reshard(rhs, to_p(call.match.rhs_spec))
             for rhs, call in zip(rhss, calls)]
+  scales = () if scale is None else (scale,)
   outs = jax.shard_map(
       body, mesh=first.mesh,
       in_specs=(to_p(match.lhs_spec),
-                *(to_p(call.match.rhs_spec) for call in calls)),
+                *(to_p(call.match.rhs_spec) for call in calls),
+                *(jax.sharding.PartitionSpec() for _ in scales)),
       out_specs=tuple(to_p(call.match.out_spec) for call in calls),
-      check_vma=False)(lhs, *rhss)
+      check_vma=False)(lhs, *rhss, *scales)
   return list(outs)
 
 
@@ -390,9 +399,11 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
 def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
                            preferred_element_type=None, out_sharding=None, *,
                            lhs_axes=None, rhs_axes=None, out_axes=None,
-                           name=None, config=None, group_reason=""):
+                           name=None, config=None, group_reason="",
+                           scale=None):
   """`dot_general` and `logical_dot_general` with every option: the entry
-  for integrations that carry the logical axes themselves (einsum, MaxText).
+  for integrations that carry the logical axes themselves (einsum, MaxText,
+  the fp8 matmuls).
 
   Args:
     lhs, rhs, dimension_numbers, precision, preferred_element_type,
@@ -402,11 +413,21 @@ def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
     name: labels the decision record.
     config: a `CollectiveMatmulConfig` instead of the active one.
     group_reason: why this projection, given with siblings, runs alone.
+    scale: None, or a float32 scalar the product is multiplied by (fp8: the
+      product of the operands' scales): rewritten, the ops' `scale`,
+      applied to the f32 accumulation before the cast; left to XLA (and
+      with the plugin off), `lax.dot_general`'s result times the scale in
+      the result's dtype, as Flax's fp8 program dequantizes it.
   """
   cfg = config or config_lib.get_config()
+  if scale is not None:
+    scale = jnp.asarray(scale)
+    if scale.shape != () or scale.dtype != jnp.float32:
+      raise ValueError(f"scale of shape {scale.shape} and dtype "
+                       f"{scale.dtype}: expected a float32 scalar (shape ())")
   if not cfg.enabled:
     return _plain(lhs, rhs, dimension_numbers, precision,
-                  preferred_element_type, out_sharding)
+                  preferred_element_type, out_sharding, scale)
   call = plan_call(lhs, rhs, dimension_numbers, precision,
                    preferred_element_type, out_sharding, lhs_axes=lhs_axes,
                    rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
@@ -414,9 +435,9 @@ def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
   record_lib.record(call.decision, cfg.strict, call.fallback)
   if call.match is None:
     return _plain(lhs, rhs, dimension_numbers, precision,
-                  preferred_element_type, out_sharding)
+                  preferred_element_type, out_sharding, scale)
   [out] = rewrite([call], call.decision.plan, dimension_numbers, precision,
-                  preferred_element_type, cfg.save_gathered)
+                  preferred_element_type, cfg.save_gathered, scale)
   if out_sharding is not None and call.decision.mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

@@ -4,27 +4,30 @@ transformation: `jit`, `grad`/`vjp`, `jvp`/`jacfwd`/`linearize`, `vmap`,
 
 Two primitives:
 
-- `collective_matmul(x, w)`: y = all_gather(x) @ w or reduce_scatter(x @ w)
-  (`Static.collective`), optionally with all_gather(x) as a second result.
+- `collective_matmul(x, w[, scale])`: y = all_gather(x) @ w or
+  reduce_scatter(x @ w) (`Static.collective`), optionally with all_gather(x)
+  as a second result; with a scale (`Static.scaled`), y = scale * the f32
+  accumulation, cast to the result's dtype.
   It carries the traced forward (`dispatch`, with the plan's impl)
   as its `impl_jaxpr`, so the kernels are traced, and their errors raised,
   where the op is called; lowering inlines that jaxpr.
-- `collective_matmul_tangent(res, w, dx?, dw?)`: its tangent,
+- `collective_matmul_tangent(res, w, scale?, dx?, dw?)`: its tangent,
   C(dx, w) + C(x, dw) for the collective matmul C, linear in (dx, dw) with
-  (res, w) held. Its transpose is the backward: dx's cotangent through the
-  *other* collective matmul with the plan's backward impl, dw's from the
-  gathered operand, once for both (the forward's gathered activation where
-  `save_gathered` kept it; for the reduce-scatter, the cotangent that dx's
-  all-gather matmul assembled). Evaluated (forward mode) it runs C again,
-  with the forward's impl.
+  (res, w, scale) held (the scale's own term, dscale times the unscaled
+  product, is an ordinary product beside it). Its transpose is the
+  backward: dx's cotangent through the *other* collective matmul with the
+  plan's backward impl, dw's from the gathered operand, once for both (the
+  forward's gathered activation where `save_gathered` kept it; for the
+  reduce-scatter, the cotangent that dx's all-gather matmul assembled).
+  Evaluated (forward mode) it runs C again, with the forward's impl.
 
 Differentiating C gives C for the primal and a tangent; `grad` transposes
 the tangent, binding C (the transposed collective) again, so every order of
 `grad`, `jvp` and `vmap` keeps the kernels. `vmap` folds the mapped
 dimension into C's operands (a leading dimension of x, or columns of w) and
-maps over it only where both operands are mapped. Under `jax.checkpoint`,
-C is split as the call of its forward, so a remat policy judges the
-forward's own operations (dots, sends, a kernel).
+maps over it only where both operands (or the scale) are mapped. Under
+`jax.checkpoint`, C is split as the call of its forward, so a remat policy
+judges the forward's own operations (dots, sends, a kernel).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from jax.interpreters import partial_eval as pe
 import jax.numpy as jnp
 
 from collective_matmul import dispatch
+from collective_matmul import ring
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 
@@ -55,7 +59,8 @@ class Static:
 
   `axis` is the gathered (all-gather) or scattered (reduce-scatter)
   dimension of `x`; `plan` what runs forward and backward, with each
-  implementation's config; the other fields are the call's own arguments.
+  implementation's config; `scaled`: a third operand, the f32 scale of the
+  product; the other fields are the call's own arguments.
   """
 
   collective: Collective
@@ -65,6 +70,7 @@ class Static:
   precision: Any
   preferred_element_type: Any
   save_gathered: bool
+  scaled: bool = False
 
   @property
   def keeps_gathered(self) -> bool:
@@ -82,20 +88,23 @@ class Static:
 
 
 def _forward(static: Static, return_gathered: bool):
-  """The function `collective_matmul` runs: (x, w) -> [y] or
+  """The function `collective_matmul` runs: (x, w[, scale]) -> [y] or
   [y, all_gather(x)]."""
 
-  def run(x, w):
+  def run(x, w, *scale):
     out = dispatch.collective_matmul(
         static.collective, static.plan.impl, static.plan.config, x, w,
         static.axis_name, static.axis, static.precision,
-        static.preferred_element_type, return_gathered)
+        static.preferred_element_type, return_gathered,
+        scale[0] if scale else None)
     return list(out) if return_gathered else [out]
   return run
 
 
-def collective_matmul(x, w, static: Static, return_gathered: bool = False):
-  """[y] or, with `return_gathered` (all-gather only), [y, all_gather(x)].
+def collective_matmul(x, w, static: Static, return_gathered: bool = False,
+                      scale=None):
+  """[y] or, with `return_gathered` (all-gather only), [y, all_gather(x)];
+  with `scale` (an f32 scalar), y is scale times the f32 accumulation.
   Inside `shard_map`, over `static.axis_name`.
 
   The forward is traced here, once: a rule that binds the primitive again
@@ -103,8 +112,11 @@ def collective_matmul(x, w, static: Static, return_gathered: bool = False):
   keeps its gathered operand returns it from the start, unused unless
   differentiated, so its JVP need not trace again)."""
   return_gathered = return_gathered or static.keeps_gathered
-  impl_jaxpr = jax.make_jaxpr(_forward(static, return_gathered))(x, w)
-  return collective_matmul_p.bind(x, w, static=static,
+  if static.scaled != (scale is not None):
+    static = dataclasses.replace(static, scaled=scale is not None)
+  operands = (x, w) if scale is None else (x, w, scale)
+  impl_jaxpr = jax.make_jaxpr(_forward(static, return_gathered))(*operands)
+  return collective_matmul_p.bind(*operands, static=static,
                                   return_gathered=return_gathered,
                                   impl_jaxpr=impl_jaxpr)
 
@@ -126,17 +138,34 @@ mlir.register_lowering(collective_matmul_p,
 
 def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
                            impl_jaxpr):
-  x, w = primals
-  dx, dw = (None if type(t) is ad.Zero else t for t in tangents)
-  outs = collective_matmul_p.bind(x, w, static=static,
+  x, w, *scale = primals
+  dx, dw, *dscale = (None if type(t) is ad.Zero else t for t in tangents)
+  scale = scale[0] if scale else None
+  dscale = dscale[0] if dscale else None
+  outs = collective_matmul_p.bind(*primals, static=static,
                                   return_gathered=return_gathered,
                                   impl_jaxpr=impl_jaxpr)
+  y_aval = jax.typeof(outs[0])
   # The weight's tangent term multiplies the gathered activation: the one
   # the forward assembled where it kept it, else x (gathered again by the
   # term itself).
   use_gathered = return_gathered and dw is not None
-  dy = tangent(outs[1] if use_gathered else x, w, dx, dw, static,
-               gathered=use_gathered, out_aval=jax.typeof(outs[0]))
+  dy = None
+  if dx is not None or dw is not None:
+    dy = tangent(outs[1] if use_gathered else x, w, dx, dw, static,
+                 gathered=use_gathered, out_aval=y_aval, scale=scale)
+  if dscale is not None:
+    # d(scale * acc) / d scale = acc: the unscaled product (run again, in
+    # the result's dtype, only where the scale's tangent is not zero).
+    unscaled = collective_matmul(
+        x, w, dataclasses.replace(static, scaled=False,
+                                  save_gathered=False))[0]
+    acc_dtype = ring.accumulation_dtype(y_aval.dtype)
+    term = (unscaled.astype(acc_dtype)
+            * dscale.astype(acc_dtype)).astype(y_aval.dtype)
+    dy = term if dy is None else dy + term
+  if dy is None:
+    dy = ad.Zero(y_aval.to_tangent_aval())
   if not return_gathered:
     return outs, [dy]
   # all_gather(x)'s tangent is all_gather(dx).
@@ -149,28 +178,36 @@ def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
 def _collective_matmul_batch(args, dims, *, static, return_gathered,
                              impl_jaxpr):
   del impl_jaxpr
-  x, w = args
-  bx, bw = dims
-  if bw is None:
+  x, w, *scale = args
+  bx, bw, *bs = dims
+  scale = scale[0] if scale else None
+  bs = bs[0] if bs else None
+  if bw is None and bs is None:
     # A new leading dimension of x, before the gathered/scattered one.
     x = jnp.moveaxis(x, bx, 0)
     outs = collective_matmul(
         x, w, dataclasses.replace(static, axis=static.axis + 1),
-        return_gathered)
+        return_gathered, scale)
     return outs, [0] * len(outs)
-  if bx is None:
+  if bx is None and bs is None:
     # The mapped weights side by side: columns [k, B * n].
     w = jnp.moveaxis(w, bw, 1)
     k, size, n = w.shape
     outs = collective_matmul(x, w.reshape(k, size * n), static,
-                             return_gathered)
+                             return_gathered, scale)
     y = outs[0].reshape(outs[0].shape[:-1] + (size, n))
     return ([jnp.moveaxis(y, -2, 0)] + outs[1:],
             [0] + [None] * (len(outs) - 1))
-  # Both mapped: one collective matmul per index.
-  outs = lax.map(
-      lambda xw: tuple(collective_matmul(*xw, static, return_gathered)),
-      (jnp.moveaxis(x, bx, 0), jnp.moveaxis(w, bw, 0)))
+  # Both operands (or the scale) mapped: one collective matmul per index.
+
+  def one(mapped):
+    mapped = iter(mapped)
+    x_i, w_i, *scale_i = [next(mapped) if b is not None else a
+                          for a, b in zip(args, dims)]
+    return tuple(collective_matmul(x_i, w_i, static, return_gathered,
+                                   scale_i[0] if scale_i else None))
+  outs = lax.map(one, tuple(jnp.moveaxis(a, b, 0)
+                            for a, b in zip(args, dims) if b is not None))
   return list(outs), [0] * len(outs)
 
 
@@ -190,48 +227,58 @@ pe.partial_eval_jaxpr_custom_rules[collective_matmul_p] = (
     _collective_matmul_remat)
 
 
-def tangent(res, w, dx, dw, static: Static, *, gathered: bool, out_aval):
+def tangent(res, w, dx, dw, static: Static, *, gathered: bool, out_aval,
+            scale=None):
   """C(dx, w) + C(x, dw), linear in the tangents `dx` and `dw` (None:
-  zero, not both). `res` is x, or all_gather(x) with `gathered`;
-  `out_aval` is y's."""
+  zero, not both), with C's `scale` (held, `static.scaled`). `res` is x,
+  or all_gather(x) with `gathered`; `out_aval` is y's."""
   lin = [t for t in (dx, dw) if t is not None]
+  held = (res, w) if scale is None else (res, w, scale)
   return collective_matmul_tangent_p.bind(
-      res, w, *lin, static=static, has_dx=dx is not None,
+      *held, *lin, static=static, has_dx=dx is not None,
       has_dw=dw is not None, gathered=gathered, out_aval=out_aval)
 
 
-def _tangent_eval(res, w, *lin, static, has_dx, has_dw, gathered, out_aval):
+def _held(args, static):
+  """(res, w, scale or None, the tangents) of the tangent's operands."""
+  held = 3 if static.scaled else 2
+  return (args[0], args[1], args[2] if static.scaled else None,
+          list(args[held:]))
+
+
+def _tangent_eval(*args, static, has_dx, has_dw, gathered, out_aval):
   """The tangent in terms of `collective_matmul` (and, with `gathered`, a
   local dot): what forward mode runs, and how it is batched and
   differentiated again."""
-  lin = list(lin)
+  res, w, scale, lin = _held(args, static)
   dx = lin.pop(0) if has_dx else None
   dw = lin.pop(0) if has_dw else None
   terms = []
   if dx is not None:
-    terms.append(collective_matmul(dx, w, static)[0])
+    terms.append(collective_matmul(dx, w, static, scale=scale)[0])
   if dw is not None:
     if gathered:
-      terms.append(lax.dot_general(
-          res, dw, (((res.ndim - 1,), (0,)), ((), ())),
-          precision=static.precision,
-          preferred_element_type=static.preferred_element_type))
+      terms.append(ring.local_matmul(
+          res, dw, precision=static.precision,
+          preferred_element_type=static.preferred_element_type,
+          scale=scale))
     else:
-      terms.append(collective_matmul(res, dw, static)[0])
+      terms.append(collective_matmul(res, dw, static, scale=scale)[0])
   out = terms[0].astype(out_aval.dtype)
   for term in terms[1:]:
     out = out + term.astype(out_aval.dtype)
   return out
 
 
-def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
+def _tangent_transpose(ct, *args, static, has_dx, has_dw, gathered,
                        out_aval):
-  """The backward: cotangents of (dx, dw) from y's cotangent `ct`."""
+  """The backward: cotangents of (dx, dw) from y's cotangent `ct` (y is
+  linear in each, the scale held: both are scaled by it too)."""
   del out_aval
-  if ad.is_undefined_primal(res) or ad.is_undefined_primal(w):
+  res, w, scale, lin = _held(args, static)
+  if any(ad.is_undefined_primal(a) for a in (res, w, scale)):
     raise ValueError("collective_matmul_tangent is linear in its tangents "
                      "only")
-  lin = list(lin)
   dx_aval = lin.pop(0).aval if has_dx else None
   dw_aval = lin.pop(0).aval if has_dw else None
   ct = ad.instantiate_zeros(ct)
@@ -247,7 +294,8 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
     # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),
     # dw = all_gather(x).T @ dy.
     if has_dx:
-      ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_dtype))[0]
+      ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_dtype),
+                                scale=scale)[0]
     if has_dw:
       x_all = res if gathered else lax.all_gather(
           res, static.axis_name, axis=static.axis, tiled=True)
@@ -259,7 +307,7 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
     if has_dx:
       keep = static.save_gathered and has_dw
       outs = collective_matmul(ct_b, w_t, static.transposed(dx_dtype),
-                               return_gathered=keep)
+                               return_gathered=keep, scale=scale)
       ct_dx = outs[0]
       gathered_ct = outs[1] if keep else None
     if has_dw:
@@ -267,12 +315,14 @@ def _tangent_transpose(ct, res, w, *lin, static, has_dx, has_dw, gathered,
         gathered_ct = lax.all_gather(ct_b, static.axis_name,
                                      axis=static.axis, tiled=True)
       ct_dw = dispatch.contract_leading(res, gathered_ct, static.precision)
+  if has_dw and scale is not None:
+    ct_dw = ct_dw * scale.astype(ct_dw.dtype)
   cts = []
   if has_dx:
     cts.append(ct_dx.astype(dx_aval.dtype))
   if has_dw:
     cts.append(ct_dw.astype(dw_aval.dtype))
-  return [None, None] + cts
+  return [None] * (3 if static.scaled else 2) + cts
 
 
 def _tangent_jvp(primals, tangents, **params):

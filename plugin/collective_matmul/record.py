@@ -59,12 +59,14 @@ class Decision:
   def __str__(self):
     return self.describe()
 
-  def what_runs(self) -> str:
+  def what_runs(self, dtypes: bool = True) -> str:
     """What serves a rewritten call: "ring over 'x'", "pallas 128x256x64
-    s4 (packaged table) over 'x' (matmul + reduce-scatter)": the forward's
-    implementation with its config, the mesh axis and, for the
-    reduce-scatter, the collective."""
-    forward = self.plan.describe() if self.plan else str(self.impl)
+    s4 (packaged table) over 'x' (matmul + reduce-scatter)", "pallas e4m3 x
+    e4m3 -> bf16 128x256x128 s4 (heuristic) over 'x'": the forward's
+    implementation with its config (and, with `dtypes`, fp8's dtypes), the
+    mesh axis and, for the reduce-scatter, the collective."""
+    forward = (self.plan.describe(dtypes=dtypes) if self.plan
+               else str(self.impl))
     how = f"{forward} over {self.axis!r}"
     if self.collective == Collective.REDUCE_SCATTER:
       how += " (matmul + reduce-scatter)"
@@ -72,13 +74,16 @@ class Decision:
 
   def describe(self, shared_reason: str = "") -> str:
     """One line; `shared_reason` (said once elsewhere, e.g. in a summary's
-    header) is left out."""
-    what = (f"rewritten -> {self.what_runs()}" if self.rewritten
+    header) is left out. The line names the call's dtypes once, before what
+    runs; a backward of other dtypes (fp8's) names its own."""
+    what = (f"rewritten -> {self.what_runs(dtypes=False)}" if self.rewritten
             else "left to XLA")
-    if self.rewritten and self.plan is not None and (
-        self.plan.backward_impl == Impl.PALLAS
-        or self.plan.describe(backward=True) != self.plan.describe()):
-      what += f", backward {self.plan.describe(backward=True)}"
+    plan = self.plan
+    if self.rewritten and plan is not None and (
+        plan.backward_impl == Impl.PALLAS
+        or plan.describe(backward=True, dtypes=False)
+        != plan.describe(dtypes=False)):
+      what += f", backward {plan.describe(backward=True)}"
     if self.weight_gathered:
       what += f", weight gathered over {self.weight_gathered}"
     if self.group:

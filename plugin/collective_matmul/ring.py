@@ -15,6 +15,11 @@ slice of the contraction `k`; `w` is `[k, n]` (the same slice of its rows).
 The result has the shape of `x` with `k` replaced by `n` and `scatter_axis`
 D times shorter: device d holds row block d of the sum over devices, exactly
 like `psum_scatter(x @ w, scatter_dimension=scatter_axis, tiled=True)`.
+
+`scale`: None, or a float32 scalar (the same on every device) that the
+float32 (or wider) accumulation is multiplied by before it is cast to the
+result's dtype, as the kernels' epilogue applies it (fp8: the product of
+the operands' per-tensor scales).
 """
 from __future__ import annotations
 
@@ -41,23 +46,39 @@ class RingConfig:
       raise TypeError(f"{self.bidirectional=} must be True or False")
 
 
-def local_matmul(x, w, *, precision=None, preferred_element_type=None):
-  """`x[..., k] @ w[k, n]` as one `dot_general`."""
-  return lax.dot_general(
-      x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-      preferred_element_type=preferred_element_type)
+def local_matmul(x, w, *, precision=None, preferred_element_type=None,
+                 scale=None):
+  """`x[..., k] @ w[k, n]` as one `dot_general`; with `scale`, accumulated
+  in float32 (or wider), times `scale`, then cast to the result's dtype."""
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  if scale is None:
+    return lax.dot_general(x, w, dims, precision=precision,
+                           preferred_element_type=preferred_element_type)
+  out_dtype = _product_dtype(x, w, precision, preferred_element_type)
+  acc = lax.dot_general(x, w, dims, precision=precision,
+                        preferred_element_type=accumulation_dtype(out_dtype))
+  return (acc * scale.astype(acc.dtype)).astype(out_dtype)
+
+
+def _product_dtype(x, w, precision, preferred_element_type):
+  """The dtype of `local_matmul(x, w)` without a scale."""
+  return jax.eval_shape(
+      lambda a, b: lax.dot_general(
+          a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=precision,
+          preferred_element_type=preferred_element_type), x, w).dtype
 
 
 def baseline_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
                                precision=None, preferred_element_type=None,
-                               return_gathered=False):
+                               return_gathered=False, scale=None):
   """All-gather `x` along `gather_axis`, then one matmul: what XLA does.
 
   With `return_gathered`, returns `(product, gathered x)`.
   """
   gathered = lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
   out = local_matmul(gathered, w, precision=precision,
-                     preferred_element_type=preferred_element_type)
+                     preferred_element_type=preferred_element_type,
+                     scale=scale)
   return (out, gathered) if return_gathered else out
 
 
@@ -68,7 +89,8 @@ def _shift(axis_size: int, delta: int) -> list[tuple[int, int]]:
 
 def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
                            bidirectional=True, precision=None,
-                           preferred_element_type=None, return_gathered=False):
+                           preferred_element_type=None, return_gathered=False,
+                           scale=None):
   """`all_gather(x) @ w` as a ring that multiplies while it passes shards on.
 
   Step i on device d multiplies shard (d + i) % D, which it received from
@@ -87,7 +109,7 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
   axis_size = lax.axis_size(axis_name)
   dot = lambda chunk: local_matmul(
       chunk, w, precision=precision,
-      preferred_element_type=preferred_element_type)
+      preferred_element_type=preferred_element_type, scale=scale)
   if axis_size == 1:
     return (dot(x), x) if return_gathered else dot(x)
   my_index = lax.axis_index(axis_name)
@@ -154,14 +176,16 @@ def accumulation_dtype(out_dtype):
 
 def baseline_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                                    precision=None,
-                                   preferred_element_type=None):
+                                   preferred_element_type=None, scale=None):
   """One matmul, then `psum_scatter` of the product: what XLA does.
 
-  The partial products are summed by the collective in the product's dtype
-  (bf16 operands: bf16 sums), exactly as XLA's own reduce-scatter would.
+  The partial products (each scaled, with `scale`) are summed by the
+  collective in the product's dtype (bf16 operands: bf16 sums), exactly as
+  XLA's own reduce-scatter would.
   """
   partial = local_matmul(x, w, precision=precision,
-                         preferred_element_type=preferred_element_type)
+                         preferred_element_type=preferred_element_type,
+                         scale=scale)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=scatter_axis,
                           tiled=True)
 
@@ -179,7 +203,7 @@ def check_row_blocks(x, scatter_axis, axis_name) -> int:
 
 def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                                bidirectional=True, precision=None,
-                               preferred_element_type=None):
+                               preferred_element_type=None, scale=None):
   """`psum_scatter(x @ w)` as a ring that adds while it passes sums on.
 
   Each row block's partial sum travels round the ring towards the device
@@ -199,17 +223,20 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
   `preferred_element_type` when that is wider), whatever the operand dtype,
   and cast to the product's dtype (`preferred_element_type`, else the
   operands') once, at the end. That doubles the bytes sent for bf16 operands
-  and is what makes the result no less accurate than one f32 sum.
+  and is what makes the result no less accurate than one f32 sum. `scale`
+  multiplies that sum before the cast.
   """
   if not 0 <= scatter_axis < x.ndim - 1:
     raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
   axis_size = check_row_blocks(x, scatter_axis, axis_name)
-  out_dtype = jax.eval_shape(
-      lambda a, b: local_matmul(a, b, precision=precision,
-                                preferred_element_type=preferred_element_type),
-      x, w).dtype
+  out_dtype = _product_dtype(x, w, precision, preferred_element_type)
   sum_dtype = accumulation_dtype(out_dtype)
+
+  def finish(total):
+    if scale is not None:
+      total = total * scale.astype(total.dtype)
+    return total.astype(out_dtype)
   rows = x.shape[scatter_axis] // axis_size
 
   def partial_product(owner):
@@ -220,7 +247,7 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                         preferred_element_type=sum_dtype)
 
   if axis_size == 1:
-    return partial_product(0).astype(out_dtype)
+    return finish(partial_product(0))
   my_index = lax.axis_index(axis_name)
   if not bidirectional or axis_size == 2:
     # Every block's sum visits the D - 1 devices after its owner.
@@ -252,4 +279,4 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
   if up_sum is not None:
     up_sum = lax.ppermute(up_sum, axis_name, _shift(axis_size, +1))
     total = total + up_sum
-  return total.astype(out_dtype)
+  return finish(total)

@@ -134,6 +134,11 @@ def test_the_fp8_drop_in_lowers_to_the_kernel_and_records_the_dtypes(
   assert decision.dtype == label
   assert decision.what_runs().startswith(f"pallas {label} ")
   assert "x128 s" in decision.what_runs()  # tile_k 128.
+  # The line names the call's dtypes once; the backward (the drop-in's own,
+  # on the bf16 cotangent) its own.
+  line = str(decision)
+  assert f"{label}: rewritten -> pallas " in line, line
+  assert ", backward pallas bf16 " in line, line
   assert _kernel_calls(text) == 1
 
 
@@ -164,8 +169,9 @@ def _fresh_interpreter():
                          ids=["all_gather_e4m3", "reduce_scatter_e5m2_dgrad"])
 def test_fp8_op_runs_through_the_kernel_in_interpret_mode(
     collective, lhs_dtype, weight_k_major, keys):
-  """m and n off the tiles, 3 k steps. The reduce-scatter gets its weight
-  as the transpose of a K-major array, as the drop-in's dgrad does."""
+  """m and n off the tiles, 3 k steps, a scale. The reduce-scatter gets its
+  weight as the transpose of a K-major array, as the drop-in's dgrad
+  does."""
   m, k, n = 96, 384, 160
   a = normal(keys(), (m, k), lhs_dtype)
   w_nk = normal(keys(), (n, k), E4M3)
@@ -175,18 +181,22 @@ def test_fp8_op_runs_through_the_kernel_in_interpret_mode(
                 (cm.matmul_reduce_scatter,
                  kernels.ReduceScatterConfig(**SMALL)))
 
-  def body(a, weight):
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+
+  def body(a, weight, scale):
     w = weight.T if weight_k_major else weight
     return op(a, w, "x", impl="pallas", kernel_config=config,
-              preferred_element_type=jnp.bfloat16)
+              preferred_element_type=jnp.bfloat16, scale=scale)
 
   with plgpu.force_gpu_interpret_mode(
       plgpu.InterpretGPUParams(detect_races=True, on_race="raise")):
     with jax.set_mesh(mesh_1d(1)):
-      out = jax.jit(jax.shard_map(body, in_specs=(P(), P()), out_specs=P(),
-                                  check_vma=False))(a, weight)
+      out = jax.jit(jax.shard_map(body, in_specs=(P(), P(), P()),
+                                  out_specs=P(), check_vma=False))(
+                                      a, weight, scale)
   assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all(), "unwritten (NaN) output elements"
-  ref = np.asarray(a, np.float32) @ np.asarray(w_nk, np.float32).T
+  ref = (np.asarray(a, np.float32) @ np.asarray(w_nk, np.float32).T
+         * np.float32(scale))
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE

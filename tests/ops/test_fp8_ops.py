@@ -129,6 +129,11 @@ def test_drop_in_serves_fp8_operands_and_names_their_dtypes(keys):
   (decision,) = cm.decisions()
   assert decision.rewritten and decision.impl == "ring"
   assert decision.dtype == "e4m3 x e4m3 -> bf16"
+  assert decision.what_runs() == "ring e4m3 x e4m3 -> bf16 over 'x'"
+  # The line names the dtypes once; the ring's backward (bf16) is no
+  # other implementation, so the line does not mention it.
+  assert str(decision).endswith("e4m3 x e4m3 -> bf16: rewritten -> ring "
+                                "over 'x'"), str(decision)
   _assert_rounded_once(y, np.einsum("bsk,kn->bsn", _exact(x), _exact(w)),
                        "bfloat16")
 

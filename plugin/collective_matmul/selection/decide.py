@@ -96,16 +96,16 @@ class KernelPlan:
         backward_config=self.config, backward_source=self.source,
         dtypes=self.backward_dtypes, backward_dtypes=self.dtypes)
 
-  def describe(self, backward: bool = False) -> str:
+  def describe(self, backward: bool = False, dtypes: bool = True) -> str:
     """'pallas 128x256x64 s4 (packaged table)', 'ring', 'ring one-way' or
-    'baseline': the implementation with what its config changes, and for
-    fp8 the dtypes it runs ('pallas e4m3 x e4m3 -> bf16 128x256x128 s4
-    (heuristic)')."""
-    impl, config, source, dtypes = (
+    'baseline': the implementation with what its config changes, and
+    (with `dtypes`) for fp8 the dtypes it runs ('pallas e4m3 x e4m3 -> bf16
+    128x256x128 s4 (heuristic)')."""
+    impl, config, source, labels = (
         (self.backward_impl, self.backward_config, self.backward_source,
          self.backward_dtypes) if backward
         else (self.impl, self.config, self.source, self.dtypes))
-    what = f"{impl} {dtypes}" if dtypes else str(impl)
+    what = f"{impl} {labels}" if labels and dtypes else str(impl)
     if isinstance(config, TileConfig):
       return f"{what} {config_label(config)} ({source})"
     if isinstance(config, RingConfig) and not config.bidirectional:

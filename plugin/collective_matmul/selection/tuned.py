@@ -46,9 +46,8 @@ CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
 # which no config is a real one: a tile side of which two pipeline stages of
 # the smallest k step (32) do not fit shared memory even with 1-byte
 # operands; more pipeline stages than ever fit (a stagger below them); a
-# sender block on every SM
-# of an H100/H200; a pacing or grid width of more steps or tiles than any
-# shard has. A larger value in a file is damage, and a miss.
+# sender block on every SM of an H100/H200; a pacing or grid width of more
+# steps or tiles than any shard has. A larger value in a file is damage, and a miss.
 _MAX_TILE_SIDE = SMEM_BYTES // (2 * 32)
 _MAX_STEPS = 1 << 16
 FIELD_LIMITS = {

@@ -1,0 +1,265 @@
+"""The ops' per-tensor `scale`: the f32 accumulation times the scale, then
+the cast (`ring` and `baseline`, the executable spec of the kernels'
+epilogue), against a float64 reference; `grad` (the scale's too), `jvp`,
+`vmap` (the scale mapped too) and `checkpoint` against the same program
+written with XLA's collectives; and `cm.fp8_scaled_dot_general`, whose
+forward and dgrad pass the product of the scales into the collective
+matmul, against Flax's `fp8_scaled_dot_general`."""
+import functools
+
+from flax.linen import fp8_ops
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import collective_matmul as cm
+from cm_test_utils import mesh_1d, normal, put
+
+D, M, K, N = 4, 8, 64, 16
+E4M3 = jnp.float8_e4m3fn
+# bf16's unit roundoff (8 significant bits): one rounding of a result.
+BF16_U = 2.0**-8
+OPS = {"all_gather": (cm.all_gather_matmul,
+                      (P("x", None), P(None, "x")), P(None, "x")),
+       "reduce_scatter": (cm.matmul_reduce_scatter,
+                          (P(None, "x"), P("x", None)), P("x", None))}
+
+
+def _exact(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _operands(keys, collective, dtype):
+  mesh = mesh_1d(D, jax.sharding.AxisType.Auto)
+  if collective == "all_gather":
+    x = normal(keys(), (D * M, K), jnp.float32).astype(dtype)
+    w = normal(keys(), (K, D * N), jnp.float32).astype(dtype)
+  else:
+    x = normal(keys(), (D * M, D * K), jnp.float32).astype(dtype)
+    w = normal(keys(), (D * K, N), jnp.float32).astype(dtype)
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+  return mesh, x, w, scale
+
+
+def _ours(collective, mesh, impl, **kwargs):
+  """f(x, w, scale): the op over the whole mesh."""
+  op, in_specs, out_spec = OPS[collective]
+  return jax.shard_map(
+      lambda x, w, s: op(x, w, "x", impl=impl, scale=s, **kwargs),
+      mesh=mesh, in_specs=in_specs + (P(),), out_specs=out_spec)
+
+
+def _xla(collective, mesh, preferred_element_type=None):
+  """The same product written with XLA's collectives: scale times the f32
+  accumulation, cast to the result's dtype."""
+  _, in_specs, out_spec = OPS[collective]
+
+  def body(x, w, s):
+    if collective == "all_gather":
+      x = lax.all_gather(x, "x", tiled=True)
+    out_dtype = preferred_element_type or x.dtype
+    acc = lax.dot(x, w, preferred_element_type=jnp.float32) * s
+    if collective == "reduce_scatter":
+      acc = lax.psum_scatter(acc, "x", tiled=True)
+    return acc.astype(out_dtype)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs + (P(),),
+                       out_specs=out_spec)
+
+
+@pytest.mark.parametrize("impl", ["ring", "baseline"])
+@pytest.mark.parametrize("collective", sorted(OPS))
+@pytest.mark.parametrize("dtype,out_dtype", [
+    (jnp.float32, None), (jnp.bfloat16, None), (E4M3, jnp.bfloat16),
+    (E4M3, jnp.float32)], ids=["f32", "bf16", "e4m3_bf16", "e4m3_f32"])
+def test_scaled_ops_are_the_scaled_accumulation_rounded_once(
+    impl, collective, dtype, out_dtype, keys):
+  mesh, x, w, scale = _operands(keys, collective, dtype)
+  y = jax.jit(_ours(collective, mesh, impl,
+                    preferred_element_type=out_dtype))(x, w, scale)
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  assert y.dtype == out_dtype
+  ref = float(scale) * (_exact(x) @ _exact(w))
+  rounding = BF16_U if out_dtype == jnp.bfloat16 else 2.0**-24
+  # baseline's reduce-scatter sums the D scaled partial products in the
+  # result's dtype (as XLA's does): D roundings, of partial sums.
+  sums = D if impl == "baseline" and collective == "reduce_scatter" else 0
+  bound = (rounding * np.abs(ref) + sums * rounding * np.max(np.abs(ref))
+           + 1e-6 * np.max(np.abs(ref)))
+  np.testing.assert_array_less(np.abs(_exact(y) - ref), bound)
+
+
+def _assert_all_close(got, want, rtol=1e-5):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol,
+                               atol=rtol * np.max(np.abs(np.asarray(w))))
+
+
+@pytest.mark.parametrize("save_gathered", [True, False])
+@pytest.mark.parametrize("impl", ["ring", "baseline"])
+@pytest.mark.parametrize("collective", sorted(OPS))
+def test_grad_of_x_w_and_the_scale_matches_xla(collective, impl,
+                                               save_gathered, keys):
+  mesh, x, w, scale = _operands(keys, collective, jnp.float32)
+  t = normal(keys(), jax.eval_shape(_xla(collective, mesh), x, w,
+                                    scale).shape, jnp.float32)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * t)
+  ours = loss(_ours(collective, mesh, impl, save_gathered=save_gathered))
+  got = jax.jit(jax.grad(ours, (0, 1, 2)))(x, w, scale)
+  want = jax.jit(jax.grad(loss(_xla(collective, mesh)), (0, 1, 2)))(
+      x, w, scale)
+  _assert_all_close(got, want)
+  # The scale's gradient is not the zero a non-differentiable scale gives.
+  assert abs(float(got[2])) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["ring", "baseline"])
+@pytest.mark.parametrize("collective", sorted(OPS))
+def test_jvp_in_x_w_and_the_scale_matches_xla(collective, impl, keys):
+  mesh, x, w, scale = _operands(keys, collective, jnp.float32)
+  tangents = (normal(keys(), x.shape, jnp.float32),
+              normal(keys(), w.shape, jnp.float32), jnp.float32(0.5))
+  got = jax.jit(lambda *a: jax.jvp(_ours(collective, mesh, impl), a,
+                                   tangents))(x, w, scale)
+  want = jax.jvp(_xla(collective, mesh), (x, w, scale), tangents)
+  _assert_all_close(got, want)
+  # Only the scale's tangent: the unscaled product.
+  zeros = (jnp.zeros_like(x), jnp.zeros_like(w), jnp.float32(1.0))
+  _, dy = jax.jvp(_ours(collective, mesh, impl), (x, w, scale), zeros)
+  _assert_all_close(dy, _xla(collective, mesh)(x, w, jnp.float32(1.0)))
+
+
+@pytest.mark.parametrize("mapped", ["x", "w", "both", "scale", "all"])
+@pytest.mark.parametrize("collective", sorted(OPS))
+def test_vmap_of_the_scaled_op_and_its_grad_matches_xla(collective, mapped,
+                                                        keys):
+  mesh, x, w, scale = _operands(keys, collective, jnp.float32)
+  axes = {"x": (0, None, None), "w": (None, 0, None), "both": (0, 0, None),
+          "scale": (None, None, 0), "all": (0, 0, 0)}[mapped]
+  args = [jnp.stack([a, 2 * a, -a]) if axis == 0 else a
+          for a, axis in zip((x, w, scale), axes)]
+
+  def value_and_grad(f):
+    return jax.value_and_grad(lambda *a: jnp.sum(jnp.square(f(*a))),
+                              (0, 1, 2))
+  got = jax.jit(jax.vmap(value_and_grad(_ours(collective, mesh, "ring")),
+                         axes))(*args)
+  want = jax.vmap(value_and_grad(_xla(collective, mesh)), axes)(*args)
+  _assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("collective", sorted(OPS))
+def test_checkpoint_of_the_scaled_op_gives_the_same_gradients(collective,
+                                                              keys):
+  mesh, x, w, scale = _operands(keys, collective, jnp.float32)
+  f = _ours(collective, mesh, "ring")
+  loss = lambda g: lambda *a: jnp.sum(jnp.square(g(*a)))
+  got = jax.jit(jax.grad(loss(jax.checkpoint(
+      f, policy=jax.checkpoint_policies.dots_saveable)), (0, 1, 2)))(
+          x, w, scale)
+  want = jax.jit(jax.grad(loss(f), (0, 1, 2)))(x, w, scale)
+  _assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("scale,match", [
+    (jnp.ones((1,), jnp.float32), r"shape \(1,\)"),
+    (jnp.bfloat16(2.0), "dtype bfloat16"),
+])
+def test_a_scale_that_is_no_f32_scalar_is_refused(scale, match, keys):
+  mesh, x, w, _ = _operands(keys, "all_gather", jnp.float32)
+  op = jax.shard_map(
+      lambda x, w: cm.all_gather_matmul(x, w, "x", scale=scale),
+      mesh=mesh, in_specs=(P("x", None), P(None, "x")),
+      out_specs=P(None, "x"))
+  with pytest.raises(ValueError, match=match):
+    op(x, w)
+
+
+# ------------------------------------------------ fp8_scaled_dot_general
+
+EMBED, MLP = 64, 128
+
+
+def _fp8_state(keys):
+  """Scales (shape (1,), as Flax's variables) and amax histories as Flax's
+  op holds them after a few steps (not 1, so the scales matter)."""
+  del keys
+  def history(scale):
+    return jnp.zeros((16,), jnp.float32).at[1].set(scale)
+  one = jnp.ones((1,), jnp.float32)
+  return dict(lhs_scale=one, rhs_scale=one, grad_scale=one,
+              lhs_amax_history=history(3.7), rhs_amax_history=history(0.21),
+              grad_amax_history=history(5e-3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_scaled_dot_general_is_flax_s_within_one_rounding(dtype, keys):
+  """Forward: Flax rounds the fp8 product to `dtype`, then multiplies it by
+  the product of the scales rounded to `dtype` (its `dequantize`) and
+  rounds again; ours scales the f32 accumulation and rounds once. So ours
+  is within one rounding (u: 2^-8 for bf16, 2^-24 for f32) of the exact
+  scaled product, and within 4u of Flax's (its three roundings and ours).
+  The gradient of x (the dgrad, scaled the same way) within 4u of Flax's
+  too, relative to its largest entry; that of w (the wgrad, Flax's own
+  product and dequantization) differs only by the partitioning of its sum.
+  The loss is linear in the result, so both quantize the same cotangent."""
+  mesh = mesh_1d(D)
+  x = put(normal(keys(), (2, 4 * D, EMBED), jnp.float32).astype(dtype),
+          mesh, P(None, "x", None))
+  w = put(normal(keys(), (EMBED, MLP), jnp.float32).astype(dtype), mesh,
+          P(None, "x"))
+  t = normal(keys(), (2, 4 * D, MLP), jnp.float32)
+  state = _fp8_state(keys)
+  dims = (((2,), (0,)), ((), ()))
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(fn(x, w, dims, preferred_element_type=dtype,
+                                   **state).astype(jnp.float32) * t)
+
+  with jax.set_mesh(mesh), cm.config_context(enabled=True, impl="ring"):
+    y = jax.jit(functools.partial(
+        cm.fp8_scaled_dot_general, dimension_numbers=dims,
+        preferred_element_type=dtype, **state))(x, w)
+    grads = jax.jit(jax.grad(loss(cm.fp8_scaled_dot_general), (0, 1)))(x, w)
+  rewritten = [d for d in cm.decisions() if d.rewritten]
+  assert {d.collective for d in rewritten} == {"all_gather",
+                                               "reduce_scatter"}
+  assert all(d.impl == "ring" for d in rewritten)
+  # Flax's program on the same values, unsharded (it cannot run sharded
+  # so on an Explicit mesh: both result dimensions would be on "x").
+  plain = [jnp.asarray(np.asarray(a)) for a in (x, w)]
+  flax_y = fp8_ops.fp8_scaled_dot_general(*plain, dims,
+                                          preferred_element_type=dtype,
+                                          **state)
+  flax_grads = jax.grad(loss(fp8_ops.fp8_scaled_dot_general), (0, 1))(
+      *plain)
+  u = BF16_U if dtype == jnp.bfloat16 else 2.0**-24
+  # The exact scaled product of the fp8 values Flax multiplies.
+  q_x, s_x = fp8_ops.in_q(jnp.float32, E4M3, x, state["lhs_scale"],
+                          state["lhs_amax_history"])
+  q_w, s_w = fp8_ops.in_q(jnp.float32, E4M3, w, state["rhs_scale"],
+                          state["rhs_amax_history"])
+  s_x, s_w = np.asarray(s_x).item(), np.asarray(s_w).item()
+  assert s_x != 1.0 and s_w != 1.0
+  exact = (np.einsum("bsk,kn->bsn", _exact(q_x), _exact(q_w)) * s_x * s_w)
+  tiny = 1e-6 * np.max(np.abs(exact))
+  np.testing.assert_array_less(np.abs(_exact(y) - exact),
+                               u * np.abs(exact) + tiny)
+  np.testing.assert_array_less(np.abs(_exact(y) - _exact(flax_y)),
+                               4 * u * np.abs(exact) + tiny)
+  if dtype == jnp.bfloat16:
+    # The fused scaling is what runs: it differs from Flax's somewhere.
+    assert np.any(_exact(y) != _exact(flax_y))
+  # (+ 1e-6: f32 sums in another order, the ring's and XLA's.)
+  dx, flax_dx = _exact(grads[0]), _exact(flax_grads[0])
+  np.testing.assert_array_less(np.abs(dx - flax_dx),
+                               (4 * u + 1e-6) * np.max(np.abs(flax_dx)))
+  # The wgrad's contraction over the rows, partitioned by XLA here and not
+  # in Flax's unsharded call: partial sums in `dtype` (D + 1 roundings at
+  # most).
+  dw, flax_dw = _exact(grads[1]), _exact(flax_grads[1])
+  np.testing.assert_array_less(np.abs(dw - flax_dw),
+                               ((D + 1) * u + 1e-6) * np.max(np.abs(flax_dw)))
