@@ -54,7 +54,8 @@ def _lowered(mesh, fn, args):
 
 
 def _op(collective, lhs_dtype, d, m=512, k=1024, n=512):
-  """(shard_map'd op with impl="pallas", abstract x and w, local n, k)."""
+  """(mesh, the shard_map'd op with impl="pallas" and a scale, abstract x,
+  w and scale)."""
   mesh = mesh_1d(d)
   if collective == "all_gather":
     op = functools.partial(cm.all_gather_matmul, gather_axis=0)
@@ -65,11 +66,12 @@ def _op(collective, lhs_dtype, d, m=512, k=1024, n=512):
     specs = (P(None, "x"), P("x", None), P("x", None))
     shapes = ((d * m, d * k), (d * k, n))
   fn = jax.shard_map(
-      lambda x, w: op(x, w, "x", impl="pallas",
-                      preferred_element_type=jnp.bfloat16),
-      in_specs=specs[:2], out_specs=specs[2], check_vma=False)
+      lambda x, w, s: op(x, w, "x", impl="pallas",
+                         preferred_element_type=jnp.bfloat16, scale=s),
+      in_specs=specs[:2] + (P(),), out_specs=specs[2], check_vma=False)
   args = [_abstract(mesh, shapes[0], lhs_dtype, specs[0]),
-          _abstract(mesh, shapes[1], E4M3, specs[1])]
+          _abstract(mesh, shapes[1], E4M3, specs[1]),
+          _abstract(mesh, (), jnp.float32, P())]
   return mesh, fn, args
 
 
@@ -92,7 +94,9 @@ def test_fp8_ops_lower_to_one_kernel_given_the_weight_k_major(
 @pytest.mark.usefixtures("h200s")
 def test_grad_of_an_fp8_op_lowers_the_fp8_kernel_and_a_bf16_backward():
   """The forward's e4m3 kernel, and the backward's dx through the other
-  collective's kernel on the bf16 cotangent (the weight met as bf16)."""
+  collective's kernel on the bf16 cotangent (the weight met as bf16); the
+  scale's gradient, the unscaled product, runs the forward's kernel
+  again."""
   mesh, fn, args = _op("all_gather", E4M3, 2)
   plan = selection.choose(
       "pallas", "all_gather",
@@ -100,9 +104,9 @@ def test_grad_of_an_fp8_op_lowers_the_fp8_kernel_and_a_bf16_backward():
                         np.dtype(jnp.bfloat16)),
       selection.device_facts())
   assert plan.backward_impl == "pallas" and plan.backward_config.tile_k == 64
-  loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32))
-  text = _lowered(mesh, jax.value_and_grad(loss, (0, 1)), args)
-  assert _kernel_calls(text) == 2
+  loss = lambda x, w, s: jnp.sum(fn(x, w, s).astype(jnp.float32))
+  text = _lowered(mesh, jax.value_and_grad(loss, (0, 1, 2)), args)
+  assert _kernel_calls(text) == 3
 
 
 @pytest.mark.usefixtures("h200s")
