@@ -57,11 +57,16 @@ _parse_dot_inputs = fp8_ops._parse_dot_inputs
 # pylint: enable=protected-access
 
 
-def _product_scale(a, b):
-  """The per-tensor scale of a product of operands scaled by `a` and `b`
-  (Flax holds each as shape (1,)), as the f32 scalar a collective matmul
-  takes."""
-  return jnp.reshape(_to_f32(a) * _to_f32(b), ())
+def _dequantized(product, preferred_element_type, a, b):
+  """`product(scale)` (a product of operands quantized with the scales `a`
+  and `b`, Flax's shape-(1,) variables) dequantized: the f32 scalar `a * b`
+  applied in its f32 accumulation. Without `preferred_element_type` (an
+  fp8 product) as Flax does it: the product, then `dequantize` into the
+  default float."""
+  scale = _to_f32(a) * _to_f32(b)
+  if preferred_element_type is None:
+    return fp8_ops.dequantize(product(None), None, scale)
+  return product(jnp.reshape(scale, ()))
 
 
 def _transpose_dims(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
@@ -206,16 +211,19 @@ def quantized_dot(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
   to e5m2, and the two gradient products dequantized into the gradients of
   `lhs` and `rhs`."""
   del lhs, rhs, out_grad_scale, out_grad_amax_history
-  return dots.forward(q_lhs, q_rhs, dimension_numbers,
-                      preferred_element_type,
-                      _product_scale(lhs_scale, rhs_scale))
+  return _dequantized(
+      functools.partial(dots.forward, q_lhs, q_rhs, dimension_numbers,
+                        preferred_element_type),
+      preferred_element_type, lhs_scale, rhs_scale)
 
 
 def _quantized_dot_fwd(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
                        out_grad_scale, out_grad_amax_history,
                        dimension_numbers, preferred_element_type, dots):
-  out = dots.forward(q_lhs, q_rhs, dimension_numbers, preferred_element_type,
-                     _product_scale(lhs_scale, rhs_scale))
+  out = _dequantized(
+      functools.partial(dots.forward, q_lhs, q_rhs, dimension_numbers,
+                        preferred_element_type),
+      preferred_element_type, lhs_scale, rhs_scale)
   return out, (lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale, out_grad_scale,
                out_grad_amax_history)
 
@@ -228,9 +236,10 @@ def _quantized_dot_bwd(dimension_numbers, preferred_element_type, dots, res,
       g, _E5M2, out_grad_scale, out_grad_amax_history)
   q_g = fp8_ops.quantize(g, _E5M2, _to_f32(new_out_grad_scale),
                          preferred_element_type)
-  grad_lhs = dots.dgrad(q_g, q_lhs, q_rhs, dimension_numbers,
-                        preferred_element_type,
-                        _product_scale(rhs_scale, new_out_grad_scale))
+  grad_lhs = _dequantized(
+      functools.partial(dots.dgrad, q_g, q_lhs, q_rhs, dimension_numbers,
+                        preferred_element_type),
+      preferred_element_type, rhs_scale, new_out_grad_scale)
   grad_rhs = fp8_ops.dequantize(
       dots.wgrad(q_g, q_lhs, q_rhs, dimension_numbers,
                  preferred_element_type),

@@ -7,6 +7,7 @@ forward and dgrad pass the product of the scales into the collective
 matmul, against Flax's `fp8_scaled_dot_general`."""
 import functools
 
+import flax.linen as nn
 from flax.linen import fp8_ops
 import jax
 from jax import lax
@@ -263,3 +264,32 @@ def test_fp8_scaled_dot_general_is_flax_s_within_one_rounding(dtype, keys):
   dw, flax_dw = _exact(grads[1]), _exact(flax_grads[1])
   np.testing.assert_array_less(np.abs(dw - flax_dw),
                                ((D + 1) * u + 1e-6) * np.max(np.abs(flax_dw)))
+
+
+def test_fp8_scaled_dot_general_without_preferred_element_type_is_flax_s(
+    keys):
+  """No `preferred_element_type`: an fp8 product, which no collective
+  matmul writes (left to XLA), dequantized after into the default float,
+  as Flax does."""
+  # Auto sharding with logical axes: XLA's plain dot takes the matched
+  # operands' shardings there (an Explicit mesh refuses them, as Flax's own
+  # op on one does).
+  mesh = mesh_1d(D, jax.sharding.AxisType.Auto)
+  x = put(normal(keys(), (4 * D, EMBED), jnp.float32), mesh, P("x", None))
+  w = put(normal(keys(), (EMBED, MLP), jnp.float32), mesh, P(None, "x"))
+  state = _fp8_state(keys)
+  dims = (((1,), (0,)), ((), ()))
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("rows", "x"),
+                                                  ("mlp", "x"))), \
+      cm.config_context(enabled=True, impl="ring"):
+    y = jax.jit(functools.partial(
+        cm.fp8_scaled_dot_general, dimension_numbers=dims,
+        lhs_axes=("rows", "embed"), rhs_axes=("embed", "mlp"), **state))(
+            x, w)
+  (decision,) = cm.decisions()
+  assert not decision.rewritten
+  assert "without preferred_element_type" in decision.reason
+  plain = [jnp.asarray(np.asarray(a)) for a in (x, w)]
+  flax_y = fp8_ops.fp8_scaled_dot_general(*plain, dims, **state)
+  assert y.dtype == flax_y.dtype
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(flax_y))
