@@ -1,8 +1,7 @@
 """Opt-in core variants of both kernels, on a one-device mesh, against an
 f32 reference with the output poisoned, twice, bit for bit: 2-block
 clusters sharing one operand by TMA multicast (`TileConfig.cluster_dimension`,
-D = 1 only), one-slot epilogues (`TileConfig.epi_slots`) and staggered
-compute warpgroups (`TileConfig.stagger_steps`)."""
+D = 1 only) and one-slot epilogues (`TileConfig.epi_slots`)."""
 import functools
 
 import jax
@@ -48,17 +47,6 @@ CONFIGS = {
                            epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                            max_concurrent_steps=3, send_pieces=2,
                            chain_tiles=True),
-    # Warpgroup 1 a few steps behind warpgroup 0 (`stagger_steps`).
-    "ag_staggered": AG(stagger_steps=3),
-    "ag_one_slot_wide_staggered": AG(tile_m=64, tile_n=256, wg_dimension="m",
-                                     epi_tile_m=64, epi_tile_n=256,
-                                     epi_slots=1, max_concurrent_steps=3,
-                                     chain_tiles=True, stagger_steps=2),
-    "rs_one_slot_wide_staggered": RS(tile_m=64, tile_n=256, wg_dimension="m",
-                                     epi_tile_m=64, epi_tile_n=256,
-                                     epi_slots=1, max_concurrent_steps=3,
-                                     send_pieces=2, chain_tiles=True,
-                                     stagger_steps=2),
 }
 # (m, k, n): k steps at and off the depths; m and n off the cluster tile
 # (padded); a grid with fewer cluster tiles than clusters (blocks with no

@@ -155,26 +155,6 @@ def test_cluster_dimension_is_validated(fields, match):
     kernels.AllGatherConfig(**fields)
 
 
-def test_stagger_steps_stay_below_the_pipeline_depth():
-  """`stagger_steps`: warpgroup 1 trails warpgroup 0 by fewer steps than
-  the slots both consume; off by default (and left out of `to_json`), and
-  `fit_shared_memory` keeps it below the stages it fits."""
-  assert kernels.AllGatherConfig().stagger_steps == 0
-  assert "stagger_steps" not in kernels.AllGatherConfig().to_json()
-  staggered = kernels.ReduceScatterConfig(max_concurrent_steps=3,
-                                          stagger_steps=2)
-  assert staggered.to_json()["stagger_steps"] == 2
-  with pytest.raises(ValueError, match="stagger_steps=3 must be"):
-    kernels.AllGatherConfig(max_concurrent_steps=3, stagger_steps=3)
-  with pytest.raises(ValueError, match="stagger_steps=-1"):
-    kernels.AllGatherConfig(stagger_steps=-1)
-  big = kernels.AllGatherConfig(tile_m=64, tile_n=256, tile_k=128,
-                                wg_dimension="m", max_concurrent_steps=6,
-                                stagger_steps=5)
-  fitted = big.fit_shared_memory(2, 2)
-  assert fitted.stagger_steps == fitted.max_concurrent_steps - 1 < 5
-
-
 def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
   """`epi_slots=1`: the whole warpgroup tile in one slot per warpgroup (a
   128 x 128 tile's epilogue in 64 KB, beside 3 pipeline stages); the

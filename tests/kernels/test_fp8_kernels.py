@@ -41,15 +41,6 @@ ALL_GATHER = {
     "wide_one_slot": AG(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
-    # The compute warpgroups a few steps apart (`stagger_steps`): slots
-    # released a step late (the ring's forwarding tiles), and chained off
-    # the depth.
-    "staggered": AG(tile_k=128, stagger_steps=3),
-    "wide_one_slot_staggered": AG(tile_k=128, tile_m=64, tile_n=256,
-                                  wg_dimension="m", epi_tile_m=64,
-                                  epi_tile_n=256, epi_slots=1,
-                                  max_concurrent_steps=3, chain_tiles=True,
-                                  eager_release=True, stagger_steps=2),
 }
 REDUCE_SCATTER = {
     "default": RS(tile_k=128),
@@ -59,11 +50,6 @@ REDUCE_SCATTER = {
     "wide_one_slot": RS(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
-    "wide_one_slot_staggered": RS(tile_k=128, tile_m=64, tile_n=256,
-                                  wg_dimension="m", epi_tile_m=64,
-                                  epi_tile_n=256, epi_slots=1,
-                                  max_concurrent_steps=3, chain_tiles=True,
-                                  stagger_steps=2),
 }
 
 
@@ -232,14 +218,7 @@ def _interpreted(kernel, config, layout, a, b, scale):
      dict(rhs_layout="nk"), E4M3),
     (kernels.matmul_reduce_scatter, RS(tile_k=128, **SMALL),
      dict(w_layout="nk"), E5M2),
-    # Warpgroup 1 a step behind (`stagger_steps`), chained off the depth.
-    (kernels.all_gather_lhs_matmul,
-     AG(tile_k=128, **{**SMALL, "max_concurrent_steps": 3}, stagger_steps=2,
-        chain_tiles=True, eager_release=True), dict(rhs_layout="nk"), E4M3),
-    (kernels.matmul_reduce_scatter,
-     RS(tile_k=128, **SMALL, stagger_steps=1), dict(w_layout="nk"), E5M2),
-], ids=["all_gather_e4m3", "reduce_scatter_e5m2", "all_gather_staggered",
-        "reduce_scatter_staggered"])
+], ids=["all_gather_e4m3", "reduce_scatter_e5m2"])
 def test_fp8_core_runs_in_interpret_mode(kernel, config, layout, lhs_dtype,
                                          keys):
   """m and n off the tiles (padded), 3 k steps."""

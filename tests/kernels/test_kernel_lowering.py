@@ -90,32 +90,6 @@ def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
                                          REDUCE_SCATTER[name])
 
 
-# Staggered compute warpgroups (`TileConfig.stagger_steps`) with each way
-# the rings send: forwarding tiles (slots released a step late, or at once
-# and chained), dedicated senders, partial sums from the next k loop.
-STAGGERED = {
-    "ag_tiles_send": (_lower_all_gather,
-                      kernels.AllGatherConfig(stagger_steps=3)),
-    "ag_eager_chained_off_depth": (_lower_all_gather, kernels.AllGatherConfig(
-        eager_release=True, chain_tiles=True, max_concurrent_steps=3,
-        stagger_steps=2)),
-    "ag_k_major_senders": (_lower_all_gather, kernels.AllGatherConfig(
-        sender_sms=4, k_major_sends=True, stagger_steps=1)),
-    "rs_wide_one_slot": (_lower_reduce_scatter, kernels.ReduceScatterConfig(
-        tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
-        epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
-        chain_tiles=True, stagger_steps=2)),
-    "rs_default": (_lower_reduce_scatter,
-                   kernels.ReduceScatterConfig(stagger_steps=2)),
-}
-
-
-@pytest.mark.parametrize("d", [1, 2])
-@pytest.mark.parametrize("name", sorted(STAGGERED))
-def test_staggered_configs_lower_for_cuda(name, d):
-  lower, config = STAGGERED[name]
-  assert _kernel_calls(lower(d, config)) == 1
-
 
 # What `impl=auto` runs at D = 2: the seed shape, 512 rows, small problems
 # inside the boxes, llama2-7b's projections at tensor-sequence 2 (k = 5504:

@@ -109,7 +109,7 @@ def cluster_reason(config, axis_size: int) -> str | None:
 # `TileConfig` fields added after configs were first stored (tuned tables,
 # autotune caches, the selection tests' decision grid), with their defaults:
 # `to_json` leaves them out at those defaults.
-LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None, "stagger_steps": 0}
+LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +143,6 @@ class TileConfig:
       block). The kernels take it on a one-device axis only for now (the ring
       schedules do not pair their blocks); the operands are padded to the
       cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
-    stagger_steps: 0 (default: the two compute warpgroups run each tile's
-      k loop in step), or how many pipeline steps compute warpgroup 1
-      trails warpgroup 0: it starts a block's first tile once warpgroup 0
-      has issued that many steps, so that each warpgroup's epilogue may run
-      while the other still multiplies its half of the same CTA tile (no
-      more bytes loaded per flop, unlike ping-pong tiles). Both consume
-      every slot, so the lag is below `max_concurrent_steps`, and it is
-      paid for in prefetch: a slot is freed only once the trailing
-      warpgroup consumed it, so the leader loads `stagger_steps` steps
-      less ahead. Off by default: it has not been faster where measured
-      (benchmarks/gemm_core, run 11).
   """
 
   tile_m: int = 128
@@ -168,7 +157,6 @@ class TileConfig:
   chain_tiles: bool = False
   epi_slots: int = 2
   cluster_dimension: MatmulDimension | None = None
-  stagger_steps: int = 0
 
   def __post_init__(self):
     # "m" / "n" (as tuned tables and caches store them) become members.
@@ -185,11 +173,6 @@ class TileConfig:
       raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"{self.max_concurrent_steps=} must be >= 2")
-    if not 0 <= self.stagger_steps < self.max_concurrent_steps:
-      raise ValueError(
-          f"stagger_steps={self.stagger_steps} must be >= 0 and below "
-          f"max_concurrent_steps={self.max_concurrent_steps} (both compute "
-          "warpgroups consume every pipeline slot)")
     if self.epi_slots not in (1, 2):
       raise ValueError(f"{self.epi_slots=} must be 1 or 2")
     if self.epi_slots == 1 and (self.epi_tile_m, self.epi_tile_n) != (
@@ -240,9 +223,7 @@ class TileConfig:
     block's shared memory with operands and results of these element sizes
     (bytes), or None where not even 2 stages fit."""
     for stages in range(self.max_concurrent_steps, 1, -1):
-      fitted = dataclasses.replace(
-          self, max_concurrent_steps=stages,
-          stagger_steps=min(self.stagger_steps, stages - 1))
+      fitted = dataclasses.replace(self, max_concurrent_steps=stages)
       if fitted.smem_bytes(itemsize, out_itemsize) <= SMEM_BYTES:
         return fitted
     return None

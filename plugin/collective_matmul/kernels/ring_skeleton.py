@@ -227,10 +227,6 @@ def tile_grid(config, axis_size, m, k, n) -> TileGrid:
                   wg_idx=lax.axis_index("wg"))
 
 
-# The scoped allocation name of the stagger barrier (`ring_tile_loop`).
-_STAGGER = "_stagger"
-
-
 class Received(NamedTuple):
   """A value loaded into the epilogue slots, that the accumulator is added
   to: `load(i)` starts loading epilogue tile i into slot i % 2, `wait(i)`
@@ -404,8 +400,6 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
     raise ValueError("a cluster config runs its tiles on every block")
 
   chained = can_chain(config, grid.k_iters, delay_release)
-  # Steps warpgroup 1 trails warpgroup 0 by (`TileConfig.stagger_steps`).
-  stagger = min(config.stagger_steps, grid.k_iters)
 
   def make_pipeline(body, compute_context, n_idx, before_load=None,
                     first_step=0):
@@ -438,11 +432,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
                           out_dtype,
                           transforms=swizzled(out_dtype, config.epi_tile_n)),
       **(scratch or {}),
-      **({_STAGGER: plgpu.Barrier(num_arrivals=1)} if stagger else {}),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
-    stagger_barrier = scratch_refs.pop(_STAGGER, None)
     if chained:
       chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
     # Read once per block; every epilogue multiplies by it.
@@ -478,27 +470,14 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
           with tracing.phase("epilogue"):
             epilogue(acc_ref)
 
-      first_tile = (loop_info.local_index == 0) if stagger else None
-
       def mma_body(idxs, a_smem, b_smem, acc_ref):
-        (kk,) = idxs
-        if stagger:
-          # The block's first tile sets the lag, which every later tile
-          # keeps: warpgroup 1 starts once warpgroup 0 issued `stagger`
-          # steps.
-          @pl.when(first_tile & (wg_idx == 1) & (kk == 0))
-          def _trail():
-            plgpu.barrier_wait(stagger_barrier)
         # The pipeline waits for the wgmma (`matmul_pipeline`).
         if b_k_major:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].T)
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
-        if stagger:
-          @pl.when(first_tile & (wg_idx == 0) & (kk == stagger - 1))
-          def _lead():
-            plgpu.barrier_arrive(stagger_barrier)
         if hooks.k_step is not None:
+          (kk,) = idxs
           hooks.k_step(kk, a_smem)
         return acc_ref
 

@@ -45,7 +45,7 @@ CONFIG_CLASSES = {Collective.ALL_GATHER: AllGatherConfig,
 # The largest value of each integer field a stored config may hold, past
 # which no config is a real one: a tile side of which two pipeline stages of
 # the smallest k step (32) do not fit shared memory even with 1-byte
-# operands; more pipeline stages than ever fit (a stagger below them); a
+# operands; more pipeline stages than ever fit; a
 # sender block on every SM of an H100/H200; a pacing or grid width of more
 # steps or tiles than any shard has. A larger value in a file is damage, and a miss.
 _MAX_TILE_SIDE = SMEM_BYTES // (2 * 32)
@@ -53,7 +53,7 @@ _MAX_STEPS = 1 << 16
 FIELD_LIMITS = {
     "tile_m": _MAX_TILE_SIDE, "tile_n": _MAX_TILE_SIDE,
     "epi_tile_m": _MAX_TILE_SIDE, "epi_tile_n": _MAX_TILE_SIDE,
-    "tile_k": 128, "max_concurrent_steps": 64, "stagger_steps": 63,
+    "tile_k": 128, "max_concurrent_steps": 64,
     "epi_slots": 2,
     "grid_tile_width": _MAX_STEPS, "send_gap": _MAX_STEPS,
     "sender_sms": DEFAULT_SM_COUNT - 1, "sender_announce_lag": _MAX_STEPS,
