@@ -70,7 +70,10 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   if collective == Collective.ALL_GATHER:
     seen = set()
     for config in _all_gather_candidates(problem, device):
-      if config not in seen:
+      # A grid config the problem's dtypes cannot run (fp8 without its k
+      # step; over shared memory at its element sizes) is not a candidate.
+      if config not in seen and (problem is None or selection.config_reason(
+          config, problem) is None):
         seen.add(config)
         yield config
     return
@@ -97,7 +100,7 @@ def _all_gather_candidates(problem, device):
     itemsizes = problem.itemsizes
     yield selection.heuristic_config(Collective.ALL_GATHER, problem,
                                      device or selection.device_facts())
-  for base in selection.tile_candidates():
+  for base in selection.tile_candidates(problem):
     for gap in (8, 12, 16):
       for width in (4, 8):
         yield dataclasses.replace(base, send_gap=gap, grid_tile_width=width)

@@ -285,6 +285,28 @@ def test_all_gather_candidates_for_a_shape_start_with_its_default(shape):
     assert default.sender_sms == 16 and default not in grid
 
 
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("dtypes", [("float8_e4m3fn", None),
+                                    ("float8_e5m2", "float8_e4m3fn")])
+def test_fp8_autotune_candidates_are_fp8_configs(collective, dtypes):
+  """An fp8 problem's sweep holds only configs its operands can run: k steps
+  of 128 (8-bit wgmma operands are read K-major through a 128-byte
+  swizzle), fitting shared memory at 1-byte operands; the default first."""
+  from collective_matmul import autotuning
+  lhs, rhs = dtypes
+  problem = selection.Problem(8192, 4096, 2048, np.dtype(lhs), 2,
+                              np.dtype(jnp.bfloat16),
+                              None if rhs is None else np.dtype(rhs))
+  candidates = list(autotuning.candidate_configs(collective, problem))
+  assert len(candidates) > 4
+  assert {c.tile_k for c in candidates} == {128}
+  assert all(selection.config_reason(c, problem) is None
+             for c in candidates)
+  default = selection.config_for(collective, problem,
+                                 selection.device_facts())[0]
+  assert default in candidates
+
+
 def test_autotune_candidates_reject_an_unknown_collective():
   from collective_matmul import autotuning
   with pytest.raises(ValueError, match="collective"):
