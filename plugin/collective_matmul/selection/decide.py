@@ -199,9 +199,10 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
             None, "")
-  small = applicability.too_small_reason(config, problem, device.num_cores)
-  if small is not None:
-    return _Verdict(small, Impl.BASELINE, False), config, source
+  slower = (applicability.unchecked_reason(problem) or
+            applicability.too_small_reason(config, problem, device.num_cores))
+  if slower is not None:
+    return _Verdict(slower, Impl.BASELINE, False), config, source
   return None, config, source
 
 
