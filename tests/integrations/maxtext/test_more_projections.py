@@ -23,6 +23,17 @@ def _first_moments(run):
   return moments
 
 
+def _assert_rewritten(run, name, how):
+  """Every decision line of projection `name` says it was rewritten to the
+  ring over `how` (the axis, and "(matmul + reduce-scatter)" exactly for a
+  reduce-scatter)."""
+  lines = {l for l in run.decision_lines() if l.startswith(name + " ")}
+  assert lines, (name, run.stdout)
+  for line in lines:
+    assert f"rewritten -> ring over {how}" in line, line
+    assert ("reduce-scatter" in how) == ("reduce-scatter" in line), line
+
+
 def test_tied_embedding_logits_are_served_with_the_same_losses_and_gradients():
   on = cached_train("llama2-7b-tied-f32-ring", dtype="f32", plugin=RING,
                     steps=STEPS, extra=TIED)
@@ -76,11 +87,7 @@ def test_mla_out_projection_and_shared_experts_are_served_the_same():
       ("moe/shared_experts/wo", "'tensor_sequence' (matmul + reduce-scatter)"),
       # The dense first layer's MlpBlock, named apart from them.
       ("mlp/wi_0", "'tensor_sequence'")):
-    lines = {l for l in on.decision_lines() if l.startswith(name + " ")}
-    assert lines, (name, on.stdout)
-    for line in lines:
-      assert f"rewritten -> ring over {how}" in line, line
-      assert ("reduce-scatter" in how) == ("reduce-scatter" in line), line
+    _assert_rewritten(on, name, how)
   summary = _summary(on)
   left = summary[summary.index("left to MaxText / XLA"):]
   for name in ("attention/wq_a", "attention/wkv_b", "moe/gate", "moe/wo"):
@@ -123,10 +130,7 @@ def test_gemma4_per_layer_input_projections_are_served_with_the_same_losses():
       # projection runs in Attention.__call__ here.
       ("attention/key", "'tensor_sequence'"),
       ("attention/value", "'tensor_sequence'")):
-    lines = {l for l in on.decision_lines() if l.startswith(name + " ")}
-    assert lines, (name, on.stdout)
-    for line in lines:
-      assert f"rewritten -> ring over {how}" in line, line
+    _assert_rewritten(on, name, how)
   assert "left to MaxText / XLA: 0 (none)" in _summary(on), _summary(on)
   # The query/key norms' scales and the layer scalars of this tiny gemma4
   # get gradients that cancel to rounding: stock MaxText on another mesh
