@@ -19,7 +19,11 @@ weight K-major (`[N, K]` e4m3) and a per-tensor f32 scale, bf16 results:
   cublas_fp8_rs  the same on e5m2 x e4m3 (a gradient times a weight),
   ours_fp8       the all-gather kernel's fp8 core (e4m3 x e4m3),
   ours_fp8_rs    the reduce-scatter kernel's fp8 core (e5m2 x e4m3),
-each of ours at its bf16 config with `tile_k` 128 (`fp8_core_configs`).
+each of ours at the config `selection` picks for the fp8 problem
+(`fp8_core_configs`). With `--fp8-forward` also an fp8 layer's forward from
+bf16 operands, Flax's quantization then XLA's product or ours
+(`fp8_forward_arms`), whose kernel breakdown shows what runs beside the
+GEMM. `--only ARM...` times only those arms.
 `--variant NAME=JSON` adds `ours_NAME`: the all-gather core config with the
 JSON's fields replaced (e.g. `nochain={"chain_tiles": false}`), or with a
 name starting `rs_` the reduce-scatter's, `fp8_` the all-gather's fp8
@@ -167,16 +171,20 @@ def is_fp8_variant(name):
 def fp8_core_configs(big_m, k, n, variants, device=None):
   """[(name, kernel, config, lhs dtype, kwargs)] of our fp8 cores a shape
   times: the all-gather's ("ours_fp8", e4m3 x e4m3) and the
-  reduce-scatter's ("ours_fp8_rs", e5m2 x e4m3), each the bf16 core's
-  config with `tile_k` 128 (the same shared memory per stage), the weight
-  K-major; then each fp8_* / rs_fp8_* --variant on top of those. A variant
-  whose fields do not apply has its error in place of the config."""
-  base = {name: (kernel, dataclasses.replace(cfg, tile_k=128))
-          for name, kernel, cfg, _ in our_configs(big_m, k, n, [], device)}
-  ag = (kernels.all_gather_lhs_matmul, base["ours_ag"][1], E4M3,
-        dict(rhs_layout="nk"))
-  rs = (kernels.matmul_reduce_scatter, base["ours_rs"][1], E5M2,
-        dict(w_layout="nk"))
+  reduce-scatter's ("ours_fp8_rs", e5m2 x e4m3), each at the config
+  `selection` picks for that fp8 problem's D = 2 ring (bf16 results), with
+  the senders off as for the bf16 cores, the weight K-major; then each
+  fp8_* / rs_fp8_* --variant on top of those. A variant whose fields do not
+  apply has its error in place of the config."""
+  ag_pick = selection.select_config(big_m // 2, k, n, E4M3, 2, device=device,
+                                    out_dtype=jnp.bfloat16)
+  ag_core = dataclasses.replace(ag_pick, sender_sms=0, k_major_sends=False,
+                                sender_announce_lag=None)
+  rs_core = selection.select_reduce_scatter_config(
+      big_m // 2, k, n, E5M2, 2, device=device, out_dtype=jnp.bfloat16,
+      rhs_dtype=E4M3)
+  ag = (kernels.all_gather_lhs_matmul, ag_core, E4M3, dict(rhs_layout="nk"))
+  rs = (kernels.matmul_reduce_scatter, rs_core, E5M2, dict(w_layout="nk"))
   out = [("ours_fp8", *ag), ("ours_fp8_rs", *rs)]
   for name, fields in variants:
     if not is_fp8_variant(name):
@@ -223,6 +231,78 @@ def fp8_arms(big_m, k, n, args, device=None):
                                                                kw)
     arms.append((name, fn, cfg, lhs_dtype))
   return arms
+
+
+# Flax's fp8 state per operand: a scale, an amax history of this length.
+AMAX_HISTORY = 1024
+
+
+def fp8_forward_arms(big_m, k, n, device=None, impl="pallas"):
+  """[(name, fn)] of an fp8 layer's forward from bf16 operands, as Flax's
+  `fp8_ops` runs it: `in_q` of both operands (the amax, the scale update,
+  the quantization to e4m3), then the product:
+    xla_fp8_fwd   XLA's dot of the e4m3 operands (cuBLASLt), dequantized
+                  after with `out_dq`, Flax's program;
+    ours_fp8_fwd  the all-gather op with the `impl` plan (pallas: the
+                  kernel) on the one-device axis, the product of the scales
+                  in the kernel's epilogue, as `collective_matmul.fp8` runs
+                  it: the dispatch hands the kernel the e4m3 weight K-major
+                  (`w.T`).
+  Each `fn(x [M, K], w [K, N], x_scale, w_scale, x_history, w_history)`;
+  the kernels of its CUPTI breakdown show whether the weight's transpose
+  is a pass of its own or fused into the quantization."""
+  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  plan = selection.choose(
+      impl, "all_gather",
+      selection.Problem(big_m, k, n, E4M3, 1, jnp.bfloat16),
+      device or selection.device_facts())
+
+  def quantized(x, w, sx, sw, hx, hw):
+    qx, sx = fp8_ops.in_q(jnp.bfloat16, E4M3, x, sx, hx)
+    qw, sw = fp8_ops.in_q(jnp.bfloat16, E4M3, w, sw, hw)
+    return qx, qw, sx, sw
+
+  def xla(*operands):
+    qx, qw, sx, sw = quantized(*operands)
+    out = lax.dot_general(qx, qw, (((1,), (0,)), ((), ())),
+                          preferred_element_type=jnp.bfloat16)
+    return fp8_ops.out_dq(jnp.bfloat16, sx, sw, out)
+
+  product = jax.shard_map(
+      lambda qx, qw, s: cm.all_gather_matmul(
+          qx, qw, "x", plan=plan, scale=s,
+          preferred_element_type=jnp.bfloat16),
+      in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+
+  def ours(*operands):
+    qx, qw, sx, sw = quantized(*operands)
+    return product(qx, qw, jnp.reshape(sx * sw, ()))
+
+  return [("xla_fp8_fwd", jax.jit(xla)), ("ours_fp8_fwd", jax.jit(ours))]
+
+
+def fp8_forward_reference(x, w, sx, sw, hx, hw):
+  """The f32 product of the e4m3 values `in_q` makes of x and w, times
+  the product of the updated scales (full f32 precision)."""
+  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+  qx, sx = fp8_ops.in_q(jnp.bfloat16, E4M3, x, sx, hx)
+  qw, sw = fp8_ops.in_q(jnp.bfloat16, E4M3, w, sw, hw)
+  return jnp.dot(qx.astype(jnp.float32), qw.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST) * (sx * sw)[0]
+
+
+def fp8_forward_operands(big_m, k, n, dev):
+  """x ~ N(0, 1) and w ~ N(0, 0.02) in bf16, scales of 1, empty amax
+  histories (Flax's initial fp8 state)."""
+  key = jax.random.key(4)
+  x = jax.random.normal(jax.random.fold_in(key, 0), (big_m, k), jnp.bfloat16)
+  w = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (k, n),
+                                jnp.float32)).astype(jnp.bfloat16)
+  one, history = jnp.ones((1,), jnp.float32), jnp.zeros((AMAX_HISTORY,),
+                                                         jnp.float32)
+  return tuple(jax.device_put(v, dev) for v in (x, w, one, one, history,
+                                                 history))
 
 
 def cublas_matmul():
@@ -279,6 +359,8 @@ def plan_calls(args):
                                 gpu_facts=(hm,), **operands)
               for name, fn, cfg in arms]
     calls += plan_fp8_calls(shape, args, device)
+  if args.only:
+    calls = [c for c in calls if c.label.split(" ")[1] in args.only]
   return calls
 
 
@@ -308,6 +390,13 @@ def plan_fp8_calls(shape, args, device):
         label, kernel, cfg, out_spec=P(), kwargs=kw, operand_names=("scale",),
         trace_ranges=trace_ranges(cfg, big_m, n, 132)
         if args.trace_dir else None, **operands))
+  if args.fp8_forward and not args.skip_fp8:
+    operands = dict(
+        shapes=[(big_m, k), (k, n), (1,), (1,), (AMAX_HISTORY,),
+                (AMAX_HISTORY,)], in_specs=[P()] * 6, devices=1,
+        dtype=(jnp.bfloat16,) * 2 + (jnp.float32,) * 4)
+    calls += [bench_plan.FnCall(f"{shape} {name}", fn, **operands)
+              for name, fn in fp8_forward_arms(big_m, k, n, device)]
   return calls
 
 
@@ -327,6 +416,8 @@ def bench(shape, args):
   ours = {}  # name -> (kernel, config, operands, reference, kwargs)
 
   def run(name, f, cfg=None, operands=(a, b), reference=ref):
+    if args.only and name not in args.only:
+      return
     try:
       poison(big_m * n * 4)
       out, t, names = kernel_time_us(f, *operands,
@@ -432,6 +523,12 @@ def bench_fp8(row, run, ours, mesh, big_m, k, n, args):
     with jax.set_mesh(mesh):
       run(name, fn, None if cfg is None else dataclasses.asdict(cfg),
           operands, reference(lhs_dtype))
+  if args.fp8_forward:
+    operands = fp8_forward_operands(big_m, k, n, dev)
+    ref = np.asarray(jax.jit(fp8_forward_reference)(*operands))
+    with jax.set_mesh(mesh):
+      for name, fn in fp8_forward_arms(big_m, k, n):
+        run(name, fn, None, operands, ref)
 
 
 def trace_ranges(cfg, big_m, n, num_sms):
@@ -491,6 +588,10 @@ def main():
   parser.add_argument("--skip-fp8", action="store_true",
                       help="do not time the fp8 arms (cuBLASLt's fp8 GEMM "
                       "and our kernels' fp8 cores)")
+  parser.add_argument("--fp8-forward", action="store_true",
+                      help="also time an fp8 layer's forward from bf16 "
+                      "operands as Flax runs it (amax, scale, quantization, "
+                      "product): XLA's and ours (xla_fp8_fwd, ours_fp8_fwd)")
   parser.add_argument("--trace-warmups", type=int, default=1,
                       help="with --trace-dir: calls run (their traces "
                       "dropped) before the traced one kept")
@@ -500,6 +601,10 @@ def main():
   parser.add_argument("--power-seconds", type=float, default=0,
                       help="then run every method back to back this long "
                       "while sampling its SM clock and power (nvidia-smi)")
+  parser.add_argument("--only", nargs="+", default=None, metavar="ARM",
+                      help="time only these arms (their names in the rows: "
+                      "cublas, ours_ag, cublas_fp8, ours_fp8_rs, ours_NAME "
+                      "of a --variant, ...)")
   parser.add_argument("--plan", action="store_true",
                       help="no GPU: trace (and where JAX can, lower for "
                       "CUDA) every call this run would time, "
@@ -534,6 +639,11 @@ def main():
     rows.append(bench(shape, args))
     with open(args.out, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  timed = {key[:-len("_us")] for r in rows for key in r
+           if key.endswith("_us")}
+  if args.only and set(args.only) - timed:
+    print(f"!! --only: no arm named {sorted(set(args.only) - timed)} was "
+          "timed", flush=True)
   names = ["ours_ag", "ours_rs"] + [f"ours_{v}" for v, _ in args.variant
                                     if not is_fp8_variant(v)]
   if not args.skip_upstream:
@@ -549,6 +659,8 @@ def main():
   if not args.skip_fp8:
     print_fp8_table(rows, [f"ours_{v}" for v, _ in args.variant
                            if is_fp8_variant(v)])
+    if args.fp8_forward:
+      print_fp8_forward_table(rows)
 
 
 def print_fp8_table(rows, variants):
@@ -574,6 +686,25 @@ def print_fp8_table(rows, variants):
   print("| geomean | | " + " | ".join(
       f"{math.exp(statistics.mean(map(math.log, c))):.3f}" if c else "-"
       for c in columns) + " |")
+
+
+def print_fp8_forward_table(rows):
+  """The fp8 forward arms: their times, and each one's time outside its
+  longest kernel (the GEMM): the amax, scale and quantization passes, and
+  a transpose if it is a pass of its own."""
+  arms = ("xla_fp8_fwd", "ours_fp8_fwd")
+  print("\n| M/K/N | " + " | ".join(f"{a} us | outside the GEMM us"
+                                    for a in arms) + " | ours / xla |")
+  print("|---" * (2 * len(arms) + 2) + "|")
+  for r in rows:
+    if not all(r.get(a + "_us") for a in arms):
+      continue
+    cells = []
+    for a in arms:
+      gemm = max(r[a + "_kernels"].values())
+      cells += [f"{r[a + '_us']:.1f}", f"{r[a + '_us'] - gemm:.1f}"]
+    print(f"| {r['shape']} | " + " | ".join(cells)
+          + f" | {r['ours_fp8_fwd_us'] / r['xla_fp8_fwd_us']:.3f} |")
 
 
 if __name__ == "__main__":

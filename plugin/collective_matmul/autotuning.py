@@ -59,8 +59,8 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   (`selection.SENDER_WIDE_TILE_K`) where enough pipeline stages fit;
   chained tiles (`chain_tiles`) with the senders by rows and, released
   eagerly, with each send gap, as `selection` takes them where measured.
-  Reduce-scatter (needs the problem):
-  the send pacing around the chosen config of the problem (row pieces x
+  Reduce-scatter (needs the problem): the chosen config of the problem
+  first, then the send pacing around it (row pieces x
   send gap; the pacing that wins depends on how many waves a ring step
   takes), and the whole-tile configs unpaced. `device`: the
   `selection.DeviceFacts` the choices read (None: this machine's; a plan
@@ -81,12 +81,19 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
     raise ValueError("reduce-scatter candidates need the problem")
   base = selection.config_for(Collective.REDUCE_SCATTER, problem,
                               device or selection.device_facts())[0]
+  yield base
+  # Pieces per slot of a two-slot epilogue: a one-slot epilogue holds both
+  # slots' rows, so it takes twice the pieces for stores of the same size.
+  per_slot = 2 if base.epi_slots == 1 else 1
   for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
     for gap in gaps:
       try:
-        yield dataclasses.replace(base, send_pieces=pieces, send_gap=gap)
+        config = dataclasses.replace(base, send_pieces=per_slot * pieces,
+                                     send_gap=gap)
       except ValueError:  # Pieces that do not split this epilogue tile.
         continue
+      if config != base:
+        yield config
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
 
 

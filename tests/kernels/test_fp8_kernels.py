@@ -41,6 +41,12 @@ ALL_GATHER = {
     "wide_one_slot": AG(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
+    # The heuristics' fp8 pick beside the by-rows senders at D = 2.
+    "wide_one_slot_senders": AG(tile_k=128, tile_m=64, tile_n=256,
+                                wg_dimension="m", epi_tile_m=64,
+                                epi_tile_n=256, epi_slots=1,
+                                max_concurrent_steps=3, chain_tiles=True,
+                                sender_sms=4),
 }
 REDUCE_SCATTER = {
     "default": RS(tile_k=128),
@@ -50,6 +56,12 @@ REDUCE_SCATTER = {
     "wide_one_slot": RS(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
                         epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                         max_concurrent_steps=3, chain_tiles=True),
+    # The heuristics' fp8 pick: the partial sum in 4 row pieces.
+    "wide_one_slot_pieces": RS(tile_k=128, tile_m=64, tile_n=256,
+                               wg_dimension="m", epi_tile_m=64,
+                               epi_tile_n=256, epi_slots=1,
+                               max_concurrent_steps=3, chain_tiles=True,
+                               send_pieces=4),
 }
 
 

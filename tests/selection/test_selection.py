@@ -307,6 +307,28 @@ def test_fp8_autotune_candidates_are_fp8_configs(collective, dtypes):
   assert default in candidates
 
 
+def test_fp8_reduce_scatter_candidates_pace_its_one_slot_as_two():
+  """fp8's reduce-scatter pick holds its tile in one epilogue slot: the
+  sweep starts from it and gives it twice the row pieces of the two-slot
+  grid, so its stores have the sizes the bf16 sweep times."""
+  from collective_matmul import autotuning
+  problem = selection.Problem(8192, 4096, 2048, np.dtype("float8_e5m2"), 2,
+                              np.dtype(jnp.bfloat16),
+                              np.dtype("float8_e4m3fn"))
+  chosen = selection.config_for("reduce_scatter", problem,
+                                selection.device_facts())[0]
+  candidates = list(autotuning.candidate_configs("reduce_scatter", problem))
+  assert chosen.epi_slots == 1 and candidates[0] == chosen
+  assert len(set(candidates)) == len(candidates)
+  paced = [c for c in candidates if c.spread_sends]
+  assert {c.send_pieces for c in paced} == {2, 4, 8}
+  rows = {c.epi_tile_m // c.send_pieces * c.epi_tile_n for c in paced}
+  bf16 = selection.Problem(8192, 4096, 2048, np.dtype(jnp.bfloat16), 2)
+  assert rows == {c.epi_tile_m // c.send_pieces * c.epi_tile_n
+                  for c in autotuning.candidate_configs("reduce_scatter", bf16)
+                  if c.spread_sends}
+
+
 def test_autotune_candidates_reject_an_unknown_collective():
   from collective_matmul import autotuning
   with pytest.raises(ValueError, match="collective"):

@@ -208,19 +208,34 @@ def test_bench_gemm_core_plans_every_arm():
 
 def test_bench_gemm_core_plans_fp8_variants_on_their_own_cores():
   """rs_fp8_NAME varies the reduce-scatter's fp8 core, fp8_NAME the
-  all-gather's; a field that does not apply fails the plan."""
+  all-gather's; a field that does not apply fails the plan. With
+  --fp8-forward also the forward from bf16 operands through Flax's
+  quantization, XLA's product and the op's with the pallas plan."""
   shape = "2048/1024/1024"
   run = _run("bench_gemm_core.py", "--plan", "--skip-upstream", "--shapes",
              shape, "--variant", 'rs_fp8_deep={"max_concurrent_steps": 3}',
-             "--variant", 'fp8_k64={"tile_k": 64}')
+             "--variant", 'fp8_k64={"tile_k": 64}', "--fp8-forward")
   statuses = _statuses(run)
   assert list(statuses) == [
       f"{shape} {arm}" for arm in ("cublas", "ours_ag", "ours_rs") + FP8_ARMS
-      + ("ours_rs_fp8_deep", "ours_fp8_k64")], run.stdout
+      + ("ours_rs_fp8_deep", "ours_fp8_k64", "xla_fp8_fwd",
+         "ours_fp8_fwd")], run.stdout
   assert statuses[f"{shape} ours_rs_fp8_deep"].split(" ")[0] in (
       "traced", "lowered", "skipped")
   assert "tile_k=64 with fp8" in statuses[f"{shape} ours_fp8_k64"]
+  for arm in ("xla_fp8_fwd", "ours_fp8_fwd"):
+    assert statuses[f"{shape} {arm}"].split(" ")[0] in ("traced",
+                                                       "lowered"), run.stdout
   assert run.returncode == 1
+
+
+def test_bench_gemm_core_plans_only_the_arms_asked_for():
+  shape = "2048/1024/1024"
+  run = _run("bench_gemm_core.py", "--plan", "--shapes", shape, "--only",
+             "cublas_fp8", "ours_fp8")
+  assert list(_statuses(run)) == [f"{shape} cublas_fp8",
+                                  f"{shape} ours_fp8"], run.stdout
+  assert run.returncode == 0, run.stdout + run.stderr[-2000:]
 
 
 def test_upstream_sees_a_gpu_host_only_while_checked():

@@ -3,6 +3,7 @@ replaced by plain matmuls and CUPTI by a call of the function, so the rows'
 keys, configs, error checks and reports run without a GPU (the GPU runs
 themselves are in benchmarks/kernel_lead/)."""
 import argparse
+import functools
 import types
 
 import jax
@@ -63,7 +64,7 @@ def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
     gemm_core):
   args = argparse.Namespace(
       iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
-      trace_dir=None, skip_fp8=True,
+      trace_dir=None, skip_fp8=True, only=None,
       variant=[gemm_core.parse_variant('w256={"tile_m": 64, "tile_n": 256, '
                                        '"wg_dimension": "m"}'),
                gemm_core.parse_variant('rs_bad={"tile_m": 7}')])
@@ -81,13 +82,19 @@ def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
   assert not [key for key in row if "fp8" in key]
 
 
-def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(gemm_core):
+def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(
+    gemm_core, monkeypatch):
   """cuBLASLt's fp8 GEMM on e4m3 and e5m2 operands and our two fp8 cores,
-  each checked against the f32 product of its fp8 values, at the bf16
-  core's config with tile_k 128; fp8_* / rs_fp8_* variants on top."""
+  each checked against the f32 product of its fp8 values, at selection's
+  fp8 picks (here the bf16 core's config with tile_k 128); fp8_* /
+  rs_fp8_* variants on top; with --fp8-forward the forward from bf16
+  operands through Flax's quantization, XLA's and the op's (the portable
+  ring on CPU), against the f32 product of the quantized values."""
+  monkeypatch.setattr(gemm_core, "fp8_forward_arms", functools.partial(
+      gemm_core.fp8_forward_arms, impl="ring"))
   args = argparse.Namespace(
       iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
-      trace_dir=None, skip_fp8=False,
+      trace_dir=None, skip_fp8=False, fp8_forward=True, only=None,
       variant=[gemm_core.parse_variant('fp8_deep={"max_concurrent_steps": '
                                        '3}'),
                gemm_core.parse_variant('rs_fp8_bad={"tile_k": 48}')])
@@ -102,6 +109,9 @@ def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(gemm_core):
       row["ours_rs_config"], tile_k=128)
   assert "tile_k" in row["ours_rs_fp8_bad_error"]
   assert "ours_rs_fp8_bad_us" not in row
+  for name in ("xla_fp8_fwd", "ours_fp8_fwd"):
+    assert row[f"{name}_rel_err"] < 1e-2, name
+    assert row[f"{name}_rounds_us"] == [2.0, 2.0], name
 
 
 def _kernels_args(**kw):

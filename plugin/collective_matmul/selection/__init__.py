@@ -68,11 +68,12 @@ from collective_matmul.selection.tuned import store_cached_config
 
 def select_config(m: int, k: int, n: int, dtype, axis_size: int,
                   device: DeviceFacts | None = None,
-                  out_dtype=None) -> AllGatherConfig:
+                  out_dtype=None, rhs_dtype=None) -> AllGatherConfig:
   """The all-gather kernel's config for local shards `m x k` and `k x n` on
   `device` (default: the default backend's): `config_for`'s of that
-  `Problem`, without its source."""
-  problem = Problem(m, k, n, dtype, axis_size, out_dtype)
+  `Problem` (`rhs_dtype`: the weight's, None for `dtype`), without its
+  source."""
+  problem = Problem(m, k, n, dtype, axis_size, out_dtype, rhs_dtype)
   return config_for(Collective.ALL_GATHER, problem,
                     device or device_facts())[0]
 
@@ -80,10 +81,11 @@ def select_config(m: int, k: int, n: int, dtype, axis_size: int,
 def select_reduce_scatter_config(m: int, k: int, n: int, dtype,
                                  axis_size: int,
                                  device: DeviceFacts | None = None,
-                                 out_dtype=None) -> ReduceScatterConfig:
+                                 out_dtype=None,
+                                 rhs_dtype=None) -> ReduceScatterConfig:
   """The reduce-scatter kernel's config (m: rows after the scatter), as
   `select_config`."""
-  problem = Problem(m, k, n, dtype, axis_size, out_dtype)
+  problem = Problem(m, k, n, dtype, axis_size, out_dtype, rhs_dtype)
   return config_for(Collective.REDUCE_SCATTER, problem,
                     device or device_facts())[0]
 
