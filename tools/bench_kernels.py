@@ -12,6 +12,11 @@ For each shape (per shard m/k/n) and dtype, one process owning all GPUs:
   windowed  XLA windowed einsum, in a subprocess with its XLA flags,
             wall-clock pipelined over 200 calls (kernel sums are meaningless
             for multi-stream programs)
+A shape `m/k/n:fp8` times the fp8 collective matmuls (the all-gather
+e4m3 x e4m3, the reduce-scatter e5m2 x e4m3, the weight K-major, a
+per-tensor scale, bf16 results) against XLA's fp8 GEMM alone (bound) and
+after its collective (nccl: what MaxText's `quantization=fp8` runs with the
+plugin off); no seed or windowed arm (`fp8_arms`).
 Kernel time = for each kernel name, the minimum over devices, summed (a
 device that waited for its peer does not count its wait); the median over
 iterations. With --rounds R every method of a shape is timed R times,
@@ -72,7 +77,20 @@ SHAPES = ["1024/4096/4096:bf16", "1024/4096/4096:f16", "2048/4096/4096:bf16",
           "4096/8192/7168:bf16", "8192/8192/14336:bf16",
           "2048/8192/14336:bf16", "512/4096/4096:bf16"]
 DTYPES = bench_plan.DTYPES
-parse_shape = bench_plan.parse_shape
+# fp8 shapes (`m/k/n:fp8`): the all-gather e4m3 x e4m3, the reduce-scatter
+# e5m2 x e4m3 (a gradient times a weight), bf16 results, a per-tensor scale.
+FP8 = "fp8"
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_LHS = {"all_gather": E4M3, "reduce_scatter": E5M2}
+FP8_SCALE = 0.9375  # The product of two per-tensor scales (0.75 x 1.25).
+
+
+def parse_shape(text):
+  """'m/k/n[:dtype]' -> (m, k, n, dtype name): bench_plan's dtypes, or fp8."""
+  dims, _, dtype = text.partition(":")
+  if dtype == FP8:
+    return (*bench_plan.parse_shape(dims)[:3], FP8)
+  return bench_plan.parse_shape(text)
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true "
                   "--xla_gpu_use_memcpy_local_p2p=true")
@@ -431,6 +449,9 @@ def plan_calls(args, d, num_sms=132):
        selection.select_reduce_scatter_config)):
     for text in texts:
       m, k, n, dtype_name = parse_shape(text)
+      if dtype_name == FP8:
+        calls += plan_fp8_calls(pattern, m, k, n, d, parsed, num_sms)
+        continue
       dtype = DTYPES[dtype_name]
       label = f"{pattern} {m}/{k}/{n}:{dtype_name}"
       if pattern == "all_gather":
@@ -477,6 +498,189 @@ def plan_calls(args, d, num_sms=132):
       if pattern == "all_gather":
         calls.append(bench_plan.FnCall(f"{label} ring",
                                        ring_all_gather_matmul(), **ring))
+  return calls
+
+
+def fp8_product(x, w_nk, scale):
+  """XLA's fp8 GEMM as Flax's fp8 ops run it: x times the K-major weight
+  `[n, k]` to bf16, times the scale (cuBLASLt's fp8 GEMM)."""
+  return lax.dot_general(x, w_nk, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.bfloat16) * scale.astype(
+                             jnp.bfloat16)
+
+
+class KernelUnavailable(ValueError):
+  """Our kernel does not run for this problem here (`pallas_plan`)."""
+
+
+def pallas_plan(pattern, problem, device, config):
+  """The op's plan that runs our kernel at `config` for `problem` on
+  `device` (a plan on CPU stands for GPUs); `KernelUnavailable` where the
+  kernel would not run, so a run never times XLA's fallback as ours."""
+  plan = selection.choose("pallas", pattern, problem, device, config=config)
+  if plan.is_fallback:
+    raise KernelUnavailable(f"the kernel does not run here: {plan.reason}")
+  return plan
+
+
+def fp8_arms(pattern, m, k, n, d, parsed, device=None):
+  """[(key, fn, config, loopback)] of an fp8 shape, each `fn(x, w_nk,
+  scale)` on the global arrays (`fp8_operands`), config None for XLA's:
+    bound      D x the local cuBLASLt fp8 GEMM (the all-gather's gathered
+               rows, the reduce-scatter's local contraction), one device
+    bound_all  every device's local fp8 GEMM at once, no communication
+    nccl       XLA's collective of the fp8 operand (all-gather) or of the
+               bf16 product (reduce-scatter) and its fp8 GEMM: what
+               MaxText's `quantization=fp8` runs with the plugin off
+    ours, ours_cfgN  the op with the pallas plan at the fp8 pick and
+               each --config / --rs-config (given the weight as `w_nk.T`,
+               which the dispatch's transpose folds away), a loopback one
+               the kernel itself
+    ring       the portable ring (checked, not timed).
+  Upstream's example and the windowed einsum take no fp8."""
+  bf16 = jnp.bfloat16
+  all_gather = pattern == "all_gather"
+  device = device or selection.device_facts()
+  problem = selection.Problem(m, k, n, FP8_LHS[pattern], d, bf16,
+                              None if all_gather else E4M3)
+  if all_gather:
+    picked = selection.select_config(m, k, n, E4M3, d, device=device,
+                                     out_dtype=bf16)
+    op, gathered = cm.all_gather_matmul, P(None, "x")
+    collective = lambda x, w, s: fp8_product(
+        lax.all_gather(x, "x", axis=0, tiled=True), w, s)
+    kernel, layout = kernels.all_gather_lhs_matmul, "rhs_layout"
+  else:
+    picked = selection.select_reduce_scatter_config(
+        m, k, n, E5M2, d, device=device, out_dtype=bf16, rhs_dtype=E4M3)
+    op, gathered = cm.matmul_reduce_scatter, P("x", None)
+    collective = lambda x, w, s: lax.psum_scatter(
+        fp8_product(x, w, s), "x", scatter_dimension=0, tiled=True)
+    kernel, layout = kernels.matmul_reduce_scatter, "w_layout"
+  arms = [("bound", jax.jit(fp8_product), None, False),
+          ("bound_all", _shmap(fp8_product, P("x", None)), None, False),
+          ("nccl", _shmap(collective, gathered), None, False)]
+  for key, config, loopback in our_configs(parsed, picked):
+    if isinstance(config, Exception) or loopback:
+      fn = None if isinstance(config, Exception) else _shmap(
+          lambda x, w, s, config=config: diagnostics.loopback(kernel)(
+              x, w, axis_name="x", config=config, scale=s,
+              **{layout: "nk"}), gathered)
+    else:
+      try:
+        plan = pallas_plan(pattern, problem, device, config)
+        fn = _shmap(lambda x, w, s, plan=plan: op(
+            x, w.T, "x", plan=plan, scale=s, preferred_element_type=bf16),
+                    gathered)
+      except ValueError as e:  # Reported like a config that cannot run.
+        config, fn = e, None
+    arms.append((key, fn, config, loopback))
+  arms.append(("ring", _shmap(lambda x, w, s: op(
+      x, w.T, "x", impl="ring", scale=s, preferred_element_type=bf16),
+                               gathered), None, False))
+  return arms
+
+
+def fp8_operands(pattern, m, k, n, d):
+  """(global shapes, in_specs, dtypes) of an fp8 shape's (x, w_nk, scale)
+  and those of its bound's one-device GEMM: the all-gather's shards
+  `[m, k]` and `[n, k]` per device, the reduce-scatter's `[D m, k]` and
+  `[n, k]` (its local contraction)."""
+  lhs = FP8_LHS[pattern]
+  dtypes = (lhs, E4M3, jnp.float32)
+  if pattern == "all_gather":
+    ring = ([(d * m, k), (d * n, k), ()], [P("x", None), P("x", None), P()])
+    bound = [(d * m, k), (n, k), ()]
+  else:
+    ring = ([(d * m, d * k), (n, d * k), ()],
+            [P(None, "x"), P(None, "x"), P()])
+    bound = [(d * m, k), (n, k), ()]
+  return ring, bound, dtypes
+
+
+def bench_fp8(pattern, m, k, n, args):
+  """An fp8 shape (`fp8_arms`), every result checked against the f32
+  product of the same fp8 values times the scale."""
+  d = jax.device_count()
+  parsed = args.config if pattern == "all_gather" else args.rs_config
+  row = {"pattern": pattern, "shape": f"{m}/{k}/{n}", "dtype": FP8, "D": d,
+         "dtypes": f"{jnp.dtype(FP8_LHS[pattern]).name} x float8_e4m3fn"}
+  timer = Timer(row, args)
+  flops = 2 * d * m * k * n
+  (shapes, specs), bound_shapes, dtypes = fp8_operands(pattern, m, k, n, d)
+  key = jax.random.key(5)
+  draw = lambda i, shape, dtype: jax.random.normal(
+      jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)
+  mesh = jax.make_mesh((d,), ("x",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  scale = jnp.float32(FP8_SCALE)
+  arms = fp8_arms(pattern, m, k, n, d, parsed)
+  local = [jax.device_put(draw(i, s, t), jax.devices()[0]) for i, (s, t) in
+           enumerate(zip(bound_shapes[:2], dtypes))]
+  timer.time("bound", arms[0][1], *local, scale, mesh=one_device_mesh(),
+             scale=d)
+  with jax.set_mesh(mesh):
+    x, w_nk = (jax.sharding.reshard(draw(i + 2, s, t), spec) for i, (s, t,
+               spec) in enumerate(zip(shapes[:2], dtypes, specs)))
+    s = jax.sharding.reshard(scale, P())
+    ref = f32_reference(x, jax.sharding.reshard(w_nk, P()).T) * FP8_SCALE
+    for key_, fn, config, loopback in arms[1:]:
+      if config is not None and config_error(row, key_, config):
+        continue
+      if key_ == "ring":
+        row["ring_rel_err"] = rel_error(fn(x, w_nk, s), ref)
+        continue
+      try:
+        poison_allocator(d * m * d * n * 4)
+        out, _, names = timer.time(key_, fn, x, w_nk, s, mesh=mesh)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{pattern} fp8 {key_} failed: {type(e).__name__}: "
+              f"{str(e)[:2000]}", flush=True)
+        continue
+      row[f"{key_}_kernels"] = names
+      if loopback:  # Diagnostics only: wrong results.
+        row[f"{key_}_loopback"] = True
+      elif key_ != "bound_all":
+        row[f"{key_}_rel_err"] = err = rel_error(out, ref)
+        if not err < 2e-2:
+          print(f"!! {pattern} fp8 {key_} {m}/{k}/{n}: rel err {err}",
+                flush=True)
+      if config is not None:
+        row[f"{key_}_config"] = dataclasses.asdict(config)
+        again = np.asarray(fn(x, w_nk, s), np.float32)
+        row[f"{key_}_repeat_identical"] = bool(
+            np.array_equal(again, np.asarray(out, np.float32)))
+    timer.finish()
+  for name in list(row):
+    if name.endswith("_us") and isinstance(row[name], float) and row[name]:
+      row[name.replace("_us", "_tflops")] = flops / row[name] / 1e6
+  return row
+
+
+def plan_fp8_calls(pattern, m, k, n, d, parsed, num_sms):
+  """`fp8_arms` as `bench_plan` checks them (XLA's arms and the op's
+  `FnCall`s; our kernels' fp8 rings lowered through the op)."""
+  (shapes, specs), bound_shapes, dtypes = fp8_operands(pattern, m, k, n, d)
+  label = f"{pattern} {m}/{k}/{n}:{FP8}"
+  needs = (0, 11) if pattern == "reduce_scatter" else None  # Mixed wgmma.
+  calls = []
+  for key, fn, config, loopback in fp8_arms(
+      pattern, m, k, n, d, parsed,
+      bench_plan.planned_device(num_sms, d)):
+    name = f"{label} {key}" + (" (loopback)" if loopback else "")
+    if isinstance(config, KernelUnavailable) and (
+        needs is not None and bench_plan.JAX_VERSION < needs):
+      config = None  # This JAX's wgmma: reported as skipped, not failed.
+    elif isinstance(config, Exception):
+      calls.append(bench_plan.Broken(name, d,
+                                     f"{type(config).__name__}: {config}"))
+      continue
+    one = key == "bound"
+    calls.append(bench_plan.FnCall(
+        name, fn, shapes=bound_shapes if one else shapes,
+        in_specs=[P()] * 3 if one else specs, devices=1 if one else d,
+        dtype=dtypes, config=config,
+        needs_jax=needs if key.startswith("ours") else None))
   return calls
 
 
@@ -554,7 +758,9 @@ def bench_reduce_scatter(m, k, n, dtype_name, args):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--shapes", nargs="*", default=SHAPES)
+  parser.add_argument("--shapes", nargs="*", default=SHAPES,
+                      help="all-gather shapes m/k/n[:bf16|f16|fp8] (per "
+                      "shard)")
   parser.add_argument("--config", action="append", default=[],
                       help="extra kernel config as JSON (repeatable; "
                       '"loopback": true times it in loopback; "selected": '
@@ -563,7 +769,8 @@ def main():
   parser.add_argument("--skip-seed", action="store_true")
   parser.add_argument("--windowed", action="store_true")
   parser.add_argument("--rs-shapes", nargs="*", default=RS_SHAPES,
-                      help="matmul + reduce-scatter shapes (m/k/n per shard)")
+                      help="matmul + reduce-scatter shapes (m/k/n per "
+                      "shard, [:bf16|f16|fp8])")
   parser.add_argument("--rs-config", action="append", default=[],
                       help="extra reduce-scatter kernel config as JSON "
                       '("loopback": true as for --config)')
@@ -607,11 +814,13 @@ def main():
   versions = {"jax": jax.__version__, "devices": [str(x.device_kind) for x in
                                                   jax.devices()]}
   print(versions, flush=True)
-  jobs = [(bench_shape, t) for t in args.shapes] + [
-      (bench_reduce_scatter, t) for t in args.rs_shapes]
-  for bench, text in jobs:
+  jobs = [(bench_shape, "all_gather", t) for t in args.shapes] + [
+      (bench_reduce_scatter, "reduce_scatter", t) for t in args.rs_shapes]
+  for bench, pattern, text in jobs:
     t0 = time.time()
-    row = bench(*parse_shape(text), args)
+    m, k, n, dtype_name = parse_shape(text)
+    row = (bench_fp8(pattern, m, k, n, args) if dtype_name == FP8 else
+           bench(m, k, n, dtype_name, args))
     row["wall_s"] = time.time() - t0
     rows.append(row)
     print(json.dumps(row), flush=True)

@@ -173,6 +173,23 @@ def test_bench_kernels_plans_every_arm():
   assert len(skipped) == 5 and not [x for x in skipped if "seed" in x]
 
 
+def test_bench_kernels_plans_the_fp8_rings_and_xla_s_fp8_program():
+  """`m/k/n:fp8`: XLA's fp8 GEMM alone and after its collective, the fp8
+  pick's ring through the op (lowered for CUDA at D = 2 from JAX 0.12; the
+  reduce-scatter's e5m2 x e4m3 wgmma needs JAX >= 0.11) and the portable
+  ring; no upstream arm (it takes no fp8)."""
+  run = _run("bench_kernels.py", "--plan", "2", "--shapes", "512/1024/512:fp8",
+             "--rs-shapes", "512/1024/512:fp8")
+  statuses = _statuses(run)
+  assert list(statuses) == [
+      f"{pattern} 512/1024/512:fp8 {arm}"
+      for pattern in ("all_gather", "reduce_scatter")
+      for arm in ("bound", "bound_all", "nccl", "ours", "ring")], run.stdout
+  assert not [s for s in statuses.values() if s.startswith("FAILED")], (
+      run.stdout)
+  assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+
+
 FP8_ARMS = ("cublas_fp8", "cublas_fp8_rs", "ours_fp8", "ours_fp8_rs")
 
 

@@ -167,3 +167,57 @@ def test_reduce_scatter_row_checks_against_f32_and_marks_loopback(
   assert row["ours_rel_err"] < 1e-2 and row["nccl_rel_err"] < 1e-2
   assert row["ours_cfg1_loopback"] and "ours_loopback" not in row
   assert row["ours_config"] == row["ours_cfg1_config"]
+
+
+@pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
+def test_fp8_row_checks_every_arm_against_the_scaled_f32_product(
+    monkeypatch, pattern):
+  """An `m/k/n:fp8` shape: XLA's fp8 GEMM alone (x D), on every device,
+  after its collective, and the op at each config (here the portable
+  ring's plan, as the kernel needs a GPU), each against the f32 product
+  of the same fp8 values times the scale; a loopback config is marked, a
+  broken one reported, and a plan that would fall back to XLA is never
+  timed as ours."""
+  bench = import_script("bench_kernels")
+  monkeypatch.setattr(bench, "kernel_time_us", _run_once)
+  monkeypatch.setattr(bench, "kernels", _fake_kernels(bench.kernels))
+  monkeypatch.setattr(bench, "pallas_plan", lambda pattern, problem, device,
+                      config: bench.selection.choose("ring", pattern,
+                                                     problem, device))
+  config_class = (bench.kernels.AllGatherConfig if pattern == "all_gather"
+                  else bench.kernels.ReduceScatterConfig)
+  parsed = [bench.parse_config(config_class,
+                               '{"selected": true, "loopback": true}'),
+            bench.parse_config(config_class,
+                               '{"selected": true, "tile_m": 7}')]
+  args = _kernels_args(config=parsed, rs_config=parsed)
+  row = bench.bench_fp8(pattern, 64, 128, 64, args)
+  d = jax.device_count()
+  assert row["dtype"] == "fp8" and row["pattern"] == pattern
+  assert row["dtypes"].startswith("float8_e4m3fn" if pattern == "all_gather"
+                                  else "float8_e5m2")
+  for key in ("bound", "nccl", "ours", "ring"):
+    if key != "bound":
+      assert row[f"{key}_rel_err"] < 1e-2, key
+  assert row["bound_us"] == 2.0 * d
+  assert row["ours_config"]["tile_k"] == 128 and row["ours_repeat_identical"]
+  assert row["ours_cfg1_loopback"] and "ours_cfg1_rel_err" not in row
+  assert "tile_m=7" in row["ours_cfg2_error"]
+
+
+def test_fp8_ours_is_never_xla_s_fallback():
+  """Where the kernel cannot run (here: a CPU; on a GPU a config fp8
+  cannot take), the fp8 arm is an error, not the baseline timed under our
+  name."""
+  bench = import_script("bench_kernels")
+  tile_k64 = bench.parse_config(bench.kernels.AllGatherConfig,
+                                '{"selected": true, "tile_k": 64}')
+  arms = {key: config for key, _, config, _ in bench.fp8_arms(
+      "all_gather", 64, 128, 64, 2, [tile_k64])}
+  assert isinstance(arms["ours"], ValueError)
+  assert "does not run here" in str(arms["ours"])
+  h200 = {key: config for key, _, config, _ in bench.fp8_arms(
+      "all_gather", 64, 128, 64, 2, [tile_k64],
+      bench.bench_plan.planned_device(132, 2))}
+  assert h200["ours"].tile_k == 128
+  assert "tile_k=64 with fp8" in str(h200["ours_cfg1"])
