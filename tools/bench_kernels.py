@@ -582,20 +582,17 @@ def fp8_arms(pattern, m, k, n, d, parsed, device=None):
 
 
 def fp8_operands(pattern, m, k, n, d):
-  """(global shapes, in_specs, dtypes) of an fp8 shape's (x, w_nk, scale)
-  and those of its bound's one-device GEMM: the all-gather's shards
-  `[m, k]` and `[n, k]` per device, the reduce-scatter's `[D m, k]` and
-  `[n, k]` (its local contraction)."""
-  lhs = FP8_LHS[pattern]
-  dtypes = (lhs, E4M3, jnp.float32)
+  """((global shapes, in_specs), the bound's one-device GEMM's shapes and
+  how many of it the bound counts, dtypes) of an fp8 shape's (x, w_nk,
+  scale): as the bf16 runs, the all-gather's bound D x a shard's `[m, k]`
+  times `[n, k]`, the reduce-scatter's one `[D m, k]` times `[n, k]` (its
+  local contraction)."""
+  dtypes = (FP8_LHS[pattern], E4M3, jnp.float32)
   if pattern == "all_gather":
     ring = ([(d * m, k), (d * n, k), ()], [P("x", None), P("x", None), P()])
-    bound = [(d * m, k), (n, k), ()]
-  else:
-    ring = ([(d * m, d * k), (n, d * k), ()],
-            [P(None, "x"), P(None, "x"), P()])
-    bound = [(d * m, k), (n, k), ()]
-  return ring, bound, dtypes
+    return ring, ([(m, k), (n, k), ()], d), dtypes
+  ring = ([(d * m, d * k), (n, d * k), ()], [P(None, "x"), P(None, "x"), P()])
+  return ring, ([(d * m, k), (n, k), ()], 1), dtypes
 
 
 def bench_fp8(pattern, m, k, n, args):
@@ -607,7 +604,8 @@ def bench_fp8(pattern, m, k, n, args):
          "dtypes": f"{jnp.dtype(FP8_LHS[pattern]).name} x float8_e4m3fn"}
   timer = Timer(row, args)
   flops = 2 * d * m * k * n
-  (shapes, specs), bound_shapes, dtypes = fp8_operands(pattern, m, k, n, d)
+  (shapes, specs), (bound_shapes, bound_count), dtypes = fp8_operands(
+      pattern, m, k, n, d)
   key = jax.random.key(5)
   draw = lambda i, shape, dtype: jax.random.normal(
       jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)
@@ -618,7 +616,7 @@ def bench_fp8(pattern, m, k, n, args):
   local = [jax.device_put(draw(i, s, t), jax.devices()[0]) for i, (s, t) in
            enumerate(zip(bound_shapes[:2], dtypes))]
   timer.time("bound", arms[0][1], *local, scale, mesh=one_device_mesh(),
-             scale=d)
+             scale=bound_count)
   with jax.set_mesh(mesh):
     x, w_nk = (jax.sharding.reshard(draw(i + 2, s, t), spec) for i, (s, t,
                spec) in enumerate(zip(shapes[:2], dtypes, specs)))
@@ -660,7 +658,8 @@ def bench_fp8(pattern, m, k, n, args):
 def plan_fp8_calls(pattern, m, k, n, d, parsed, num_sms):
   """`fp8_arms` as `bench_plan` checks them (XLA's arms and the op's
   `FnCall`s; our kernels' fp8 rings lowered through the op)."""
-  (shapes, specs), bound_shapes, dtypes = fp8_operands(pattern, m, k, n, d)
+  (shapes, specs), (bound_shapes, _), dtypes = fp8_operands(pattern, m, k,
+                                                           n, d)
   label = f"{pattern} {m}/{k}/{n}:{FP8}"
   needs = (0, 11) if pattern == "reduce_scatter" else None  # Mixed wgmma.
   calls = []

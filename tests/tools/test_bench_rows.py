@@ -199,7 +199,8 @@ def test_fp8_row_checks_every_arm_against_the_scaled_f32_product(
   for key in ("bound", "nccl", "ours", "ring"):
     if key != "bound":
       assert row[f"{key}_rel_err"] < 1e-2, key
-  assert row["bound_us"] == 2.0 * d
+  # As the bf16 runs: D x a shard's GEMM, or the local contraction's one.
+  assert row["bound_us"] == 2.0 * (d if pattern == "all_gather" else 1)
   assert row["ours_config"]["tile_k"] == 128 and row["ours_repeat_identical"]
   assert row["ours_cfg1_loopback"] and "ours_cfg1_rel_err" not in row
   assert "tile_m=7" in row["ours_cfg2_error"]
