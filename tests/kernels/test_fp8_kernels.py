@@ -247,6 +247,44 @@ def test_fp8_core_runs_in_interpret_mode(kernel, config, layout, lhs_dtype,
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
 
 
+def _fp8_pick(collective):
+  """`selection`'s fp8 config (bf16 results) for a problem where it takes
+  the 64 x 256 one-slot tiles (`heuristics._fp8_wide_tiles`)."""
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  lhs, rhs = ((E4M3, None) if collective == "all_gather" else (E5M2, E4M3))
+  problem = selection.Problem(4096, 2048, 2048, lhs, 1, jnp.bfloat16, rhs)
+  device = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
+  return selection.config_for(collective, problem, device)[0]
+
+
+@interpret_mode
+@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_fp8_picks_run_several_chained_tiles_per_block(collective, keys,
+                                                       monkeypatch):
+  """The fp8 picks (one-slot epilogue, chained) with 2 blocks, so each
+  runs 4 tiles: the epilogue slot and the pipeline's slots reused from
+  tile to tile, chained off the pipeline depth (4 k steps, 3 stages)."""
+  from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
+  config = _fp8_pick(collective)
+  assert config.epi_slots == 1 and config.chain_tiles
+  monkeypatch.setattr(configs, "sm_count", lambda device=None: 2)
+  m, k, n = 512, 512, 512
+  lhs_dtype = E4M3 if collective == "all_gather" else E5M2
+  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
+                    if collective == "all_gather" else
+                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
+  a = normal(keys(), (m, k), lhs_dtype)
+  b_nk = normal(keys(), (n, k), E4M3)
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+  out = np.asarray(_interpreted(kernel, config, layout, a, b_nk, scale),
+                   np.float32)
+  assert np.isfinite(out).all(), "unwritten (NaN) output elements"
+  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
+         * np.float32(scale))
+  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
+
+
 @interpret_mode
 @pytest.mark.usefixtures("_fresh_interpreter")
 def test_a_bf16_weight_given_k_major_runs_in_interpret_mode(keys):

@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
+from collective_matmul.kernels import configs
 from collective_matmul import selection
 
 from cm_test_utils import kernel_configs
@@ -132,6 +133,29 @@ def test_reduce_scatter_kernel_interpreted(name, keys):
   a, b = _operands(keys, 512, 320, 512)
   _check(_run(kernels.matmul_reduce_scatter,
               kernel_configs("reduce_scatter")[name], a, b), a, b)
+
+
+CHAINED = [(pattern, name) for pattern in ("all_gather", "reduce_scatter")
+           for name, config in sorted(kernel_configs(pattern).items())
+           if config.chain_tiles]
+
+
+@pytest.mark.parametrize("pattern,name", CHAINED,
+                         ids=[f"{p}-{n}" for p, n in CHAINED])
+def test_chained_tiles_run_several_tiles_per_block(pattern, name, keys,
+                                                   monkeypatch):
+  """On 132 blocks each of these small problems' tiles has a block of its
+  own, so no pipeline is ever chained to a next tile's: here the kernels
+  see 2 compute blocks (plus the senders), and each runs 4 tiles, the
+  next one's first k blocks loaded under this one's last steps and
+  epilogue, in JAX's pipeline and in `_OffsetChain` (5 k steps)."""
+  config = kernel_configs(pattern)[name]
+  blocks = 2 * config.cluster_size + getattr(config, "sender_sms", 0)
+  monkeypatch.setattr(configs, "sm_count", lambda device=None: blocks)
+  kernel = (kernels.all_gather_lhs_matmul if pattern == "all_gather" else
+            kernels.matmul_reduce_scatter)
+  a, b = _operands(keys, 512, 320, 512)
+  _check(_run(kernel, config, a, b), a, b)
 
 
 @pytest.mark.parametrize("kernel,config", [
