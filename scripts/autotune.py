@@ -3,6 +3,7 @@
   python scripts/autotune.py --shapes 1024/4096/4096 4096/8192/7168 [--dtype bf16]
   python scripts/autotune.py --collective reduce_scatter --shapes 1024/4096/4096
   python scripts/autotune.py --shapes 8192/4096/11008 --rounds 5  # finalists
+  python scripts/autotune.py --dtype fp8 --shapes 8192/2048/4096
 
   python scripts/autotune.py --plan 2 --shapes 1024/4096/4096  # no GPU
 
@@ -40,36 +41,62 @@ def parse_shape(text):
   return bench_plan.parse_shape(text)[:3]
 
 
-def ring_reference(collective):
+# --dtype fp8: the all-gather's e4m3 x e4m3, the reduce-scatter's e5m2 x
+# e4m3 (a gradient times a weight), bf16 results.
+FP8 = "fp8"
+
+
+def problem_for(args, m, k, n, d):
+  """The sweep's `selection.Problem` for --dtype and --collective."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if args.dtype != FP8:
+    return selection.Problem(m, k, n, bench_plan.DTYPES[args.dtype], d)
+  if args.collective == "all_gather":
+    return selection.Problem(m, k, n, jnp.float8_e4m3fn, d, jnp.bfloat16)
+  return selection.Problem(m, k, n, jnp.float8_e5m2, d, jnp.bfloat16,
+                           jnp.float8_e4m3fn)
+
+
+def ring_reference(collective, fp8=False):
   """The portable ring the sweep checks every candidate against (impl
-  "ring" of the op), in shard_map over "x"."""
-  import functools  # pylint: disable=g-import-not-at-top
+  "ring" of the op), in shard_map over "x"; for fp8 taking the weight
+  K-major and the scale, as the sweep's candidates do."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import collective_matmul as cm  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   op, out_spec = ((cm.all_gather_matmul, P(None, "x"))
                   if collective == "all_gather" else
                   (cm.matmul_reduce_scatter, P("x", None)))
-  return jax.shard_map(functools.partial(op, axis_name="x", impl="ring"),
-                       out_specs=out_spec, check_vma=False)
+  if fp8:
+    fn = lambda x, w_nk, s: op(x, w_nk.T, "x", impl="ring", scale=s,
+                               preferred_element_type=jnp.bfloat16)
+  else:
+    fn = lambda x, w: op(x, w, "x", impl="ring")
+  return jax.shard_map(fn, out_specs=out_spec, check_vma=False)
 
 
 def plan_calls(args, d):
   """What the sweep runs at D devices: per shape, its candidates
   (`bench_plan.Call`s) and the ring reference (`bench_plan.FnCall`)."""
-  dtype = bench_plan.DTYPES[args.dtype]
+  fp8 = args.dtype == FP8
   calls = []
   for text in args.shapes:
     m, k, n = parse_shape(text)
-    candidates = [bench_plan.ring_call(f"{args.collective} {text} #{i}",
-                                       args.collective, config, m, k, n, d,
-                                       dtype)
-                  for i, config in enumerate(autotuning.candidate_configs(
-                      args.collective, selection.Problem(m, k, n, dtype, d),
-                      device=bench_plan.planned_device(devices=d)))]
+    problem = problem_for(args, m, k, n, d)
+    label = f"{args.collective} {text}"
+    candidates = [
+        bench_plan.fp8_ring_call(f"{label} #{i}", args.collective, config,
+                                 m, k, n, d) if fp8 else
+        bench_plan.ring_call(f"{label} #{i}", args.collective, config, m, k,
+                             n, d, problem.dtype)
+        for i, config in enumerate(autotuning.candidate_configs(
+            args.collective, problem,
+            device=bench_plan.planned_device(devices=d)))]
     calls += candidates
+    first = candidates[0]
     calls.append(bench_plan.FnCall(
-        f"{args.collective} {text} ring", ring_reference(args.collective),
-        candidates[0].shapes, candidates[0].in_specs, d, dtype))
+        f"{label} ring", ring_reference(args.collective, fp8), first.shapes,
+        first.in_specs, d, first.dtype))
   return calls
 
 
@@ -77,7 +104,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", required=True,
                       help="local m/k/n per shard")
-  parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+  parser.add_argument("--dtype", default="bf16", choices=["bf16", "f16", FP8],
+                      help="operands (fp8: e4m3 x e4m3 for the all-gather, "
+                      "e5m2 x e4m3 for the reduce-scatter, bf16 results)")
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--rounds", type=int, default=1,
                       help="time the sweep's fastest --finalists this many "
@@ -109,12 +138,11 @@ def main():
   if device.platform not in ("gpu", "cuda") or not device.is_hopper:
     sys.exit(f"autotune.py: the sweep needs Hopper GPUs (found "
              f"{device.device_kind!r}); `--plan D` shows the sweep")
-  dtype = bench_plan.DTYPES[args.dtype]
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   for text in args.shapes:
     m, k, n = parse_shape(text)
-    problem = selection.Problem(m, k, n, dtype, jax.device_count())
+    problem = problem_for(args, m, k, n, jax.device_count())
     best, results = autotuning.autotune(problem, mesh, "x",
                                         iterations=args.iterations,
                                         collective=args.collective,

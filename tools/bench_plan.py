@@ -94,6 +94,28 @@ def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
   raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
 
 
+def fp8_ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
+                  d: int, **kw) -> Call:
+  """`ring_call` of the fp8 products: the all-gather e4m3 x e4m3, the
+  reduce-scatter e5m2 x e4m3 (its wgmma mixes the two from JAX 0.11 on),
+  the weight K-major (`[n, k]`), a per-tensor scale, bf16 results."""
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  e4m3, e5m2, f32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32
+  if pattern == "all_gather":
+    return Call(label, kernels.all_gather_lhs_matmul, config,
+                [(d * m, k), (d * n, k), ()],
+                [P("x", None), P("x", None), P()], P(None, "x"), d,
+                (e4m3, e4m3, f32), kwargs=dict(rhs_layout="nk"),
+                operand_names=("scale",), **kw)
+  if pattern == "reduce_scatter":
+    return Call(label, kernels.matmul_reduce_scatter, config,
+                [(d * m, d * k), (n, d * k), ()],
+                [P(None, "x"), P(None, "x"), P()], P("x", None), d,
+                (e5m2, e4m3, f32), kwargs=dict(w_layout="nk"),
+                operand_names=("scale",), needs_jax=(0, 11), **kw)
+  raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
+
+
 @dataclasses.dataclass(frozen=True)
 class FnCall:
   """Any other arm of a planned run: `fn(*operands)` as the run times it

@@ -18,6 +18,7 @@ import time
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +38,43 @@ COLLECTIVES = selection.CACHE_COLLECTIVES
 SHARED_MEMORY_ERRORS = ("exceeds available shared memory",
                         "Ran out of shared memory",
                         "bytes of shared memory, more than the")
+
+
+def _normal(key, shape, dtype):
+  """N(0, 1) values of `dtype` (fp8: drawn in f32, then rounded)."""
+  if jnp.dtype(dtype).itemsize == 1:
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  return jax.random.normal(key, shape, dtype)
+
+
+def _sweep_operands(collective, problem, d, axis_name):
+  """(((shape, dtype) of x and of the weight), (their specs, the
+  result's), the op, `product(op, x, w, **kw)`) a sweep times at D = d.
+  An fp8 problem's weight is held K-major (`[n, k]`, as its quantization
+  writes it) and handed to the op transposed, which the dispatch's
+  transpose folds away; its product takes a per-tensor scale (1) into its
+  epilogue and gives the problem's result dtype."""
+  lhs, rhs = problem.operand_dtypes
+  m, k, n = problem.rows, problem.k, problem.n
+  all_gather = collective == Collective.ALL_GATHER
+  x_shape = (d * m, k) if all_gather else (d * m, d * k)
+  out = P(None, axis_name) if all_gather else P(axis_name, None)
+  op = ops.all_gather_matmul if all_gather else ops.matmul_reduce_scatter
+  if not problem.is_fp8:
+    w_shape = (k, d * n) if all_gather else (d * k, n)
+    w_spec = P(None, axis_name) if all_gather else P(axis_name, None)
+    x_spec = P(axis_name, None) if all_gather else P(None, axis_name)
+    return (((x_shape, lhs), (w_shape, rhs)), (x_spec, w_spec, out), op,
+            lambda op, x, w, **kw: op(x, w, **kw))
+  w_shape = (d * n, k) if all_gather else (n, d * k)
+  x_spec, w_spec = ((P(axis_name, None), P(axis_name, None)) if all_gather
+                    else (P(None, axis_name), P(None, axis_name)))
+
+  def product(op, x, w_nk, **kw):
+    return op(x, w_nk.T, scale=jnp.float32(1),
+              preferred_element_type=problem.result_dtype, **kw)
+  return (((x_shape, lhs), (w_shape, rhs)), (x_spec, w_spec, out), op,
+          product)
 
 
 def does_not_fit(error: BaseException) -> bool:
@@ -180,8 +218,9 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
   Args:
     problem: the per-device problem: all-gather, shards rows x k and
       k x n; reduce-scatter, rows after the scatter, k local contraction,
-      n output columns (the kernel's x is D*rows x k); bf16 or f16; its
-      axis size that of `axis_name`.
+      n output columns (the kernel's x is D*rows x k); bf16 or f16, or an
+      fp8 pair with its result dtype (`_sweep_operands`); its axis size
+      that of `axis_name`.
     mesh: a mesh whose `axis_name` axis is the ring (its devices NVLink
       peers); other axes must have size 1.
     axis_name: the ring's mesh axis.
@@ -207,27 +246,19 @@ def autotune(problem: selection.Problem, mesh, axis_name: str, *,
   if problem.axis_size != d:
     raise ValueError(f"the problem's axis size {problem.axis_size} is not "
                      f"that of mesh axis {axis_name!r} ({d})")
-  m, k, n, dtype = problem.rows, problem.k, problem.n, problem.dtype
+  m, k, n = problem.rows, problem.k, problem.n
   key = jax.random.key(0)
-  if collective == Collective.ALL_GATHER:
-    shapes = ((d * m, k), (k, d * n))
-    specs = (P(axis_name, None), P(None, axis_name), P(None, axis_name))
-    op = ops.all_gather_matmul
-  else:
-    shapes = ((d * m, d * k), (d * k, n))
-    specs = (P(None, axis_name), P(axis_name, None), P(axis_name, None))
-    op = ops.matmul_reduce_scatter
+  operands, specs, op, product = _sweep_operands(collective, problem, d,
+                                                 axis_name)
   with jax.set_mesh(mesh):
-    a = jax.sharding.reshard(jax.random.normal(key, shapes[0], dtype),
-                             specs[0])
-    b = jax.sharding.reshard(
-        jax.random.normal(jax.random.fold_in(key, 1), shapes[1], dtype),
-        specs[1])
+    a, b = (jax.sharding.reshard(_normal(k_, shape, dtype), spec)
+            for k_, (shape, dtype), spec in zip(
+                (key, jax.random.fold_in(key, 1)), operands, specs))
 
     def build(impl, config=None):
       return jax.jit(jax.shard_map(
-          functools.partial(op, axis_name=axis_name, impl=impl,
-                            kernel_config=config),
+          lambda x, w: product(op, x, w, axis_name=axis_name, impl=impl,
+                               kernel_config=config),
           out_specs=specs[2], check_vma=False))
 
     ref = np.asarray(build(Impl.RING)(a, b), np.float32)

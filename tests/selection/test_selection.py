@@ -365,6 +365,42 @@ def test_autotune_skips_only_shared_memory_overflows(error, skipped):
   assert autotuning.does_not_fit(error) == skipped
 
 
+@pytest.mark.parametrize("collective,lhs,rhs", [
+    ("all_gather", "float8_e4m3fn", None),
+    ("reduce_scatter", "float8_e5m2", "float8_e4m3fn")])
+def test_autotune_sweeps_an_fp8_problem_with_its_operands(monkeypatch,
+                                                         collective, lhs,
+                                                         rhs):
+  """An fp8 sweep times its candidates on fp8 operands, the weight held
+  K-major ([n, k], as fp8 wgmma reads it), with a scale and bf16 results,
+  each checked against the portable ring's fp8 product."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def fake_kernel_time_us(f, a, b, iterations):
+    del iterations
+    seen.append((a.dtype, b.dtype, a.shape, b.shape))
+    # The global product (the reduce-scatter's summed over the devices).
+    product = np.asarray(a, np.float32) @ np.asarray(b, np.float32).T
+    return product, 10.0 + len(seen), {}
+
+  monkeypatch.setattr(autotuning, "kernel_time_us", fake_kernel_time_us)
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  problem = selection.Problem(128, 256, 128, np.dtype(lhs), 2,
+                              np.dtype(jnp.bfloat16),
+                              None if rhs is None else np.dtype(rhs))
+  configs = list(autotuning.candidate_configs(collective, problem))[:2]
+  best, results = autotuning.autotune(problem, mesh, "x", configs=configs,
+                                      iterations=1, store=False,
+                                      collective=collective)
+  assert best == configs[0] and len(results) == 2
+  k_major = (2 * 128, 256) if collective == "all_gather" else (128, 2 * 256)
+  assert seen[0] == (np.dtype(lhs), np.dtype(jnp.float8_e4m3fn),
+                     seen[0][2], k_major)
+
+
 def test_autotune_reraises_a_failure_that_is_not_a_shared_memory_overflow():
   """On CPU the timing itself fails: that is an error, not a config that
   does not fit (before, every candidate was skipped and the cause lost)."""

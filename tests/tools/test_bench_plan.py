@@ -314,6 +314,34 @@ def test_autotune_plans_every_candidate_of_the_sweep(pattern):
   assert plan.check_call(ring[0]) in ("traced", "lowered")
 
 
+@pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
+def test_autotune_plans_an_fp8_sweep(pattern):
+  """--dtype fp8: the fp8 problem's candidates (k steps of 128), each a
+  kernel call on fp8 operands with the weight K-major and a scale, and
+  the portable ring on the same operands."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import autotuning  # pylint: disable=g-import-not-at-top
+  autotune = import_script("autotune")
+  plan = _plan()
+  args = argparse.Namespace(shapes=["512/1024/512"], collective=pattern,
+                            dtype="fp8")
+  calls = autotune.plan_calls(args, 2)
+  problem = autotune.problem_for(args, 512, 1024, 512, 2)
+  assert problem.is_fp8 and problem.out_dtype == jnp.bfloat16
+  ours = [c for c in calls if isinstance(c, plan.Call)]
+  assert [c.config for c in ours] == list(autotuning.candidate_configs(
+      pattern, problem, device=plan.planned_device(devices=2)))
+  assert {c.config.tile_k for c in ours} == {128}
+  lhs = jnp.float8_e4m3fn if pattern == "all_gather" else jnp.float8_e5m2
+  assert {c.dtype for c in calls} == {(lhs, jnp.float8_e4m3fn, jnp.float32)}
+  assert ours[0].operand_names == ("scale",)
+  ring = calls[-1]
+  assert ring.label == f"{pattern} 512/1024/512 ring"
+  assert plan.check_call(ring) in ("traced", "lowered")
+  assert plan.check_call(ours[0]).split(" ")[0] in ("traced", "lowered",
+                                                    "skipped")
+
+
 def test_autotune_rejects_a_malformed_shape():
   run = _run("autotune.py", "--plan", "2", "--shapes", "512/1024")
   assert run.returncode == 2 and "expected m/k/n" in run.stderr
