@@ -86,8 +86,6 @@ SHAPES = ["16384/4096/2048", "16384/4096/6144", "16384/4096/5504",
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # The fp8 arms' per-tensor scales (lhs, rhs): their product is the scale.
 FP8_SCALES = (0.75, 1.25)
-# Mixed fp8 wgmma operands (e5m2 x e4m3): JAX 0.10's wgmma takes one dtype.
-MIXED_FP8_JAX = (0, 11)
 
 
 def rel_error(out, ref):
@@ -371,25 +369,22 @@ def plan_fp8_calls(shape, args, device):
   calls = []
   for name, fn, cfg, lhs_dtype in fp8_arms(big_m, k, n, args, device):
     label = f"{shape} {name}"
-    # Our kernels' wgmma mixes fp8 types from JAX 0.11 on (XLA's dot: any).
-    needs = MIXED_FP8_JAX if lhs_dtype != E4M3 and cfg is not None else None
     if isinstance(cfg, Exception):
       calls.append(bench_plan.Broken(label, 1,
                                      f"{type(cfg).__name__}: {cfg}"))
       continue
-    operands = dict(shapes=[(big_m, k), (n, k), ()],
-                    in_specs=[P(), P(), P()], devices=1,
-                    dtype=(lhs_dtype, E4M3, jnp.float32), needs_jax=needs)
-    if cfg is None:
-      calls.append(bench_plan.FnCall(label, fn, **operands))
+    if cfg is None:  # XLA's fp8 dot (any JAX).
+      calls.append(bench_plan.FnCall(
+          label, fn, shapes=[(big_m, k), (n, k), ()],
+          in_specs=[P(), P(), P()], devices=1,
+          dtype=(lhs_dtype, E4M3, jnp.float32)))
       continue
-    kernel = (kernels.matmul_reduce_scatter if lhs_dtype == E5M2 else
-              kernels.all_gather_lhs_matmul)
-    kw = dict(w_layout="nk") if lhs_dtype == E5M2 else dict(rhs_layout="nk")
-    calls.append(bench_plan.Call(
-        label, kernel, cfg, out_spec=P(), kwargs=kw, operand_names=("scale",),
-        trace_ranges=trace_ranges(cfg, big_m, n, 132)
-        if args.trace_dir else None, **operands))
+    # Our core: the fp8 ring's call on a one-device axis (the e5m2 x e4m3
+    # wgmma needs JAX 0.11).
+    calls.append(bench_plan.fp8_ring_call(
+        label, "reduce_scatter" if lhs_dtype == E5M2 else "all_gather", cfg,
+        big_m, k, n, 1, trace_ranges=trace_ranges(cfg, big_m, n, 132)
+        if args.trace_dir else None))
   if args.fp8_forward and not args.skip_fp8:
     operands = dict(
         shapes=[(big_m, k), (k, n), (1,), (1,), (AMAX_HISTORY,),
@@ -570,6 +565,21 @@ def trace(row, name, kernel, cfg, operands, ref, mesh, args, kw):
         + f" (untraced {row[name + '_us']:.1f} us)", flush=True)
 
 
+def arm_names(args):
+  """Every arm a run with these arguments times, by its name in the rows
+  (what --only selects from)."""
+  names = ["cublas", "ours_ag", "ours_rs"] + [
+      f"ours_{v}" for v, _ in args.variant if not is_fp8_variant(v)]
+  if not args.skip_upstream:
+    names += ["upstream_none", "upstream_m", "upstream_n"]
+  if not args.skip_fp8:
+    names += ["cublas_fp8", "cublas_fp8_rs", "ours_fp8", "ours_fp8_rs"] + [
+        f"ours_{v}" for v, _ in args.variant if is_fp8_variant(v)]
+    if args.fp8_forward:
+      names += ["xla_fp8_fwd", "ours_fp8_fwd"]
+  return names
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="*", default=SHAPES,
@@ -628,6 +638,12 @@ def main():
                  ">= 0")
   if args.power_seconds < 0:
     parser.error(f"--power-seconds {args.power_seconds} must be >= 0")
+  if args.fp8_forward and args.skip_fp8:
+    parser.error("--fp8-forward times fp8 arms: drop --skip-fp8")
+  unknown = set(args.only or ()) - set(arm_names(args))
+  if unknown:
+    parser.error(f"--only {' '.join(sorted(unknown))}: no such arm (the "
+                 f"arms: {' '.join(arm_names(args))})")
   if args.plan:
     sys.exit(1 if bench_plan.check_plan(plan_calls(args)) else 0)
   if args.trace_dir:
@@ -639,11 +655,6 @@ def main():
     rows.append(bench(shape, args))
     with open(args.out, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  timed = {key[:-len("_us")] for r in rows for key in r
-           if key.endswith("_us")}
-  if args.only and set(args.only) - timed:
-    print(f"!! --only: no arm named {sorted(set(args.only) - timed)} was "
-          "timed", flush=True)
   names = ["ours_ag", "ours_rs"] + [f"ours_{v}" for v, _ in args.variant
                                     if not is_fp8_variant(v)]
   if not args.skip_upstream:

@@ -661,7 +661,7 @@ def plan_fp8_calls(pattern, m, k, n, d, parsed, num_sms):
   (shapes, specs), (bound_shapes, _), dtypes = fp8_operands(pattern, m, k,
                                                            n, d)
   label = f"{pattern} {m}/{k}/{n}:{FP8}"
-  needs = (0, 11) if pattern == "reduce_scatter" else None  # Mixed wgmma.
+  needs = bench_plan.MIXED_FP8_JAX if pattern == "reduce_scatter" else None
   calls = []
   for key, fn, config, loopback in fp8_arms(
       pattern, m, k, n, d, parsed,

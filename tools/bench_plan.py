@@ -36,6 +36,8 @@ LOWERS_OFF_GPU = JAX_VERSION >= (0, 12)
 
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+# Mixed fp8 wgmma operands (e5m2 x e4m3): JAX 0.10's wgmma takes one dtype.
+MIXED_FP8_JAX = (0, 11)
 
 
 def parse_shape(text: str):
@@ -112,7 +114,7 @@ def fp8_ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
                 [(d * m, d * k), (n, d * k), ()],
                 [P(None, "x"), P(None, "x"), P()], P("x", None), d,
                 (e5m2, e4m3, f32), kwargs=dict(w_layout="nk"),
-                operand_names=("scale",), needs_jax=(0, 11), **kw)
+                operand_names=("scale",), needs_jax=MIXED_FP8_JAX, **kw)
   raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
 
 

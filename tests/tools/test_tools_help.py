@@ -29,6 +29,9 @@ def test_tool_help_exits_cleanly(tool):
 @pytest.mark.parametrize("args,message", [
     (["--shapes", "16384/4096"], "expected M/K/N"),
     (["--power-seconds", "-1"], "must be >= 0"),
+    (["--fp8-forward", "--skip-fp8"], "drop --skip-fp8"),
+    (["--only", "ours_fp8", "cublas_fp9"], "--only cublas_fp9: no such arm"),
+    (["--only", "xla_fp8_fwd"], "--only xla_fp8_fwd: no such arm"),
 ])
 def test_bench_gemm_core_rejects_bad_arguments(args, message):
   run = _run("bench_gemm_core.py", *args)
