@@ -237,8 +237,8 @@ AMAX_HISTORY = 1024
 
 def fp8_forward_arms(big_m, k, n, device=None, impl="pallas"):
   """[(name, fn)] of an fp8 layer's forward from bf16 operands, as Flax's
-  `fp8_ops` runs it: `in_q` of both operands (the amax, the scale update,
-  the quantization to e4m3), then the product:
+  `fp8_ops` runs it: `in_q` of both operands (the scale from the amax
+  history, delayed scaling; the quantization to e4m3), then the product:
     xla_fp8_fwd   XLA's dot of the e4m3 operands (cuBLASLt), dequantized
                   after with `out_dq`, Flax's program;
     ours_fp8_fwd  the all-gather op with the `impl` plan (pallas: the
@@ -255,6 +255,9 @@ def fp8_forward_arms(big_m, k, n, device=None, impl="pallas"):
       impl, "all_gather",
       selection.Problem(big_m, k, n, E4M3, 1, jnp.bfloat16),
       device or selection.device_facts())
+  if plan.is_fallback:  # Never XLA's program timed under our name.
+    raise ValueError(f"ours_fp8_fwd: {impl} does not run here: "
+                     f"{plan.reason}")
 
   def quantized(x, w, sx, sw, hx, hw):
     qx, sx = fp8_ops.in_q(jnp.bfloat16, E4M3, x, sx, hx)
