@@ -526,8 +526,9 @@ def pallas_plan(pattern, problem, device, config):
 def fp8_arms(pattern, m, k, n, d, parsed, device=None):
   """[(key, fn, config, loopback)] of an fp8 shape, each `fn(x, w_nk,
   scale)` on the global arrays (`fp8_operands`), config None for XLA's:
-    bound      D x the local cuBLASLt fp8 GEMM (the all-gather's gathered
-               rows, the reduce-scatter's local contraction), one device
+    bound      the local cuBLASLt fp8 GEMM on one device, as the bf16
+               runs count it (`fp8_operands`): D x a shard's for the
+               all-gather, the reduce-scatter's local contraction once
     bound_all  every device's local fp8 GEMM at once, no communication
     nccl       XLA's collective of the fp8 operand (all-gather) or of the
                bf16 product (reduce-scatter) and its fp8 GEMM: what
