@@ -42,7 +42,8 @@ def kernel_configs(pattern):
   """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
   for CUDA, interpreted) cover: each schedule and send kind, chained at and
   off the pipeline depth (`_OffsetChain`), 64 x 256 warpgroup tiles,
-  one-slot epilogues and (on a one-device axis only) 2-block clusters.
+  one-slot epilogues and (on a one-device axis only) 2-block clusters and
+  ping-pong warpgroups.
   `pattern`: "all_gather" or "reduce_scatter"."""
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   ag, rs = kernels.AllGatherConfig, kernels.ReduceScatterConfig
@@ -76,6 +77,12 @@ def kernel_configs(pattern):
                                 cluster_dimension="n"),
         "cluster_m_offset_chain": ag(chain_tiles=True, max_concurrent_steps=3,
                                      cluster_dimension="m"),
+        # Ping-pong warpgroups (one-device axis only), each on whole
+        # 128 x 128 tiles; a one-slot epilogue too.
+        "pingpong": ag(chain_tiles=True, pingpong=True),
+        "pingpong_one_slot": ag(chain_tiles=True, pingpong=True,
+                                epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                                max_concurrent_steps=5),
     }
   if pattern == "reduce_scatter":
     return {
@@ -95,6 +102,7 @@ def kernel_configs(pattern):
         "cluster_m_chained": rs(epi_tile_n=128, max_concurrent_steps=3,
                                 send_pieces=2, chain_tiles=True,
                                 cluster_dimension="m"),
+        "pingpong": rs(chain_tiles=True, pingpong=True),
     }
   raise ValueError(f"pattern {pattern!r}")
 

@@ -170,3 +170,30 @@ def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
     kernels.AllGatherConfig(epi_slots=1)  # 64 x 64 of a 128 x 128 tile.
   with pytest.raises(ValueError, match="1 or 2"):
     kernels.AllGatherConfig(epi_slots=3)
+
+
+def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
+  """`pingpong`: each warpgroup takes whole CTA tiles (the CTA tile is the
+  warpgroup tile, whatever `wg_dimension`), in one ring of slots; refused
+  without chained tiles, with a cluster, and on a ring (D > 1)."""
+  split = kernels.AllGatherConfig(chain_tiles=True)
+  pingpong = kernels.AllGatherConfig(chain_tiles=True, pingpong=True)
+  assert (split.cta_tile_m, split.cta_tile_n) == (128, 256)
+  assert (pingpong.cta_tile_m, pingpong.cta_tile_n) == (128, 128)
+  assert (kernels.ReduceScatterConfig(
+      tile_m=64, tile_n=256, wg_dimension="m", chain_tiles=True,
+      pingpong=True).cta_tile_m) == 64
+  # One ring of stages over the (smaller) CTA tile.
+  assert pingpong.smem_bytes(2, 2) == (4 * 64 * 256 * 2 + 2 * 2 * 64 * 64 * 2
+                                       + configs.SMEM_RESERVE)
+  assert configs.axis_reason(pingpong, 1) is None
+  assert "one-device axis" in configs.axis_reason(pingpong, 2)
+  assert configs.axis_reason(split, 2) is None
+  with pytest.raises(ValueError, match="chain_tiles=True"):
+    kernels.AllGatherConfig(pingpong=True)
+  with pytest.raises(ValueError, match="cluster_dimension=None"):
+    kernels.ReduceScatterConfig(chain_tiles=True, pingpong=True,
+                                cluster_dimension="m")
+  # Stored configs from before the field read back unchanged.
+  assert "pingpong" not in split.to_json()
+  assert pingpong.to_json()["pingpong"] is True

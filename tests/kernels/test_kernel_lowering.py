@@ -67,9 +67,10 @@ def _lower_reduce_scatter(d, config, m=512, k=1024, n=512):
 
 
 def _lowers_or_refuses_a_cluster_in_a_ring(lower, d, config):
-  """One kernel call; a 2-block cluster config in a ring (D > 1) is
-  refused instead (its blocks are not paired by the ring schedules)."""
-  if config.cluster_dimension is not None and d > 1:
+  """One kernel call; a 2-block cluster or ping-pong config in a ring
+  (D > 1) is refused instead (the ring schedules neither pair blocks nor
+  hand a tile to one warpgroup)."""
+  if (config.cluster_dimension is not None or config.pingpong) and d > 1:
     with pytest.raises(ValueError, match="one-device axis"):
       lower(d, config)
   else:

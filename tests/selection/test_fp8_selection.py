@@ -75,7 +75,7 @@ def test_pallas_serves_fp8_with_a_config_the_fp8_core_runs(
   lhs, rhs = problem.operand_dtypes
   assert configs.fp8_reason(lhs, rhs, out, True, config.tile_k) is None
   assert config.smem_bytes(1, out.itemsize) <= configs.SMEM_BYTES
-  assert configs.cluster_reason(config, d) is None
+  assert configs.axis_reason(config, d) is None
   # The heuristics take as many stages at 1-byte operands as fit: one more
   # would not.
   deeper = config.__class__(**dict(

@@ -349,7 +349,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   n = rhs.shape[0] if rhs_k_major else rhs.shape[1]
   axis_size = lax.axis_size(axis_name)
   ring_skeleton.check_config(config, AllGatherConfig)
-  ring_skeleton.check_cluster(config, axis_size)
+  ring_skeleton.check_axis(config, axis_size)
   if config.sender_sms >= configs.sm_count():
     raise ValueError(
         f"sender_sms={config.sender_sms} leaves no block to multiply on "

@@ -96,20 +96,28 @@ def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
   return None
 
 
-def cluster_reason(config, axis_size: int) -> str | None:
+def axis_reason(config, axis_size: int) -> str | None:
   """Why `config` cannot run on an axis of `axis_size` devices, or None:
-  2-block clusters (`TileConfig.cluster_dimension`) run on a one-device
-  axis only (the ring schedules do not pair their blocks)."""
-  if config.cluster_dimension is not None and axis_size != 1:
+  2-block clusters (`TileConfig.cluster_dimension`) and ping-pong
+  warpgroups (`TileConfig.pingpong`) run on a one-device axis only (the
+  ring schedules neither pair their blocks nor hand a tile to one
+  warpgroup)."""
+  if axis_size == 1:
+    return None
+  if config.cluster_dimension is not None:
     return (f"cluster_dimension={config.cluster_dimension!r} runs on a "
             f"one-device axis only, not on {axis_size} devices")
+  if config.pingpong:
+    return (f"pingpong=True runs on a one-device axis only, not on "
+            f"{axis_size} devices")
   return None
 
 
 # `TileConfig` fields added after configs were first stored (tuned tables,
 # autotune caches, the selection tests' decision grid), with their defaults:
 # `to_json` leaves them out at those defaults.
-LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None}
+LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None,
+                "pingpong": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +151,13 @@ class TileConfig:
       block). The kernels take it on a one-device axis only for now (the ring
       schedules do not pair their blocks); the operands are padded to the
       cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
+    pingpong: the two compute warpgroups take turns on whole CTA tiles
+      instead of splitting each (a block's tiles alternate between them,
+      `wg_dimension` does not apply: the CTA tile is `tile_m` x `tile_n`),
+      so one warpgroup's epilogue runs while the other's k loop keeps the
+      tensor cores busy. Both read one ring of `max_concurrent_steps`
+      slots, loaded in tile order (needs `chain_tiles`). A one-device axis
+      only for now (`axis_reason`).
   """
 
   tile_m: int = 128
@@ -157,6 +172,7 @@ class TileConfig:
   chain_tiles: bool = False
   epi_slots: int = 2
   cluster_dimension: MatmulDimension | None = None
+  pingpong: bool = False
 
   def __post_init__(self):
     # "m" / "n" (as tuned tables and caches store them) become members.
@@ -186,14 +202,25 @@ class TileConfig:
       raise ValueError(
           f"epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide the "
           f"tile {self.tile_m}x{self.tile_n}")
+    if self.pingpong and not self.chain_tiles:
+      raise ValueError("pingpong=True needs chain_tiles=True (the warpgroups' "
+                       "tiles are loaded into one ring of slots, in order)")
+    if self.pingpong and self.cluster_dimension is not None:
+      raise ValueError(f"pingpong=True needs cluster_dimension=None, not "
+                       f"{self.cluster_dimension!r}")
 
   @property
   def cta_tile_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dimension == "m" else 1)
+    return self.tile_m * (2 if self.splits("m") else 1)
 
   @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (2 if self.wg_dimension == "n" else 1)
+    return self.tile_n * (2 if self.splits("n") else 1)
+
+  def splits(self, dimension) -> bool:
+    """Whether the two compute warpgroups split the CTA tile along
+    `dimension` ("m" / "n"): `wg_dimension`, unless `pingpong`."""
+    return not self.pingpong and self.wg_dimension == dimension
 
   @property
   def cluster_size(self) -> int:

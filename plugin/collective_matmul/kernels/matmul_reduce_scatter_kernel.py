@@ -267,7 +267,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
                      f"devices of {axis_name!r}")
   m = rows // axis_size
   ring_skeleton.check_config(config, ReduceScatterConfig)
-  ring_skeleton.check_cluster(config, axis_size)
+  ring_skeleton.check_axis(config, axis_size)
   batch_major = rows_per_batch is not None and rows_per_batch != m
   pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, x.dtype,
                                                 out_dtype, rows_per_batch)

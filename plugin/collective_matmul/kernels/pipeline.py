@@ -20,7 +20,8 @@ def swizzled(dtype, cols: int):
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
                     delay_release=1, before_load=None, chained=False,
-                    first_step=None, multicast=None, b_k_major=False):
+                    first_step=None, multicast=None, b_k_major=False,
+                    owner=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -61,11 +62,20 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   `b_k_major`: B is given K-major, `[n, k]` (its k blocks are
   `(cta_tile_n, tile_k)`, as 8-bit wgmma operands must be read); the body
   then multiplies by the slot transposed. False: `[k, n]`.
+
+  `owner` (`TileConfig.pingpong`; a traced 0 or 1): only that compute
+  warpgroup runs this tile, on the whole CTA tile, while the other runs
+  its own previous or next one (`_OffsetChain` with `owner`). Needs
+  `chained`, `first_step` and no `multicast`. None: both run it.
   """
   order = k_order or (lambda kk: kk)
   if multicast not in (None, "m", "n"):
     raise ValueError(f"{multicast=} must be None, 'm' or 'n'")
-  if chained and k_iters % max_concurrent_steps:
+  if owner is not None and (not chained or first_step is None
+                            or multicast is not None):
+    raise ValueError("a ping-pong pipeline (owner) is chained, with "
+                     "first_step, and without multicast")
+  if chained and (k_iters % max_concurrent_steps or owner is not None):
     if first_step is None:
       raise ValueError("a chained pipeline whose steps are no multiple of "
                        "its depth needs first_step")
@@ -73,7 +83,8 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         stages=max_concurrent_steps, order=order, before_load=before_load,
-        first_step=first_step, multicast=multicast, b_k_major=b_k_major)
+        first_step=first_step, multicast=multicast, b_k_major=b_k_major,
+        owner=owner)
 
   def waited_body(idxs, a_smem, b_smem, carry):
     carry = body(idxs, a_smem, b_smem, carry)
@@ -153,11 +164,21 @@ class _OffsetChain:
   JAX's, so `chain_slots_free` and the skeleton's allocation are the same
   for both; with `multicast` as JAX's with that BlockSpec's
   `collective_axes` (cluster barriers for `consumed`, one operand loaded
-  by multicast; with `b_k_major` B's slots are `(cta_tile_n, tile_k)`)."""
+  by multicast; with `b_k_major` B's slots are `(cta_tile_n, tile_k)`).
+
+  With `owner` (ping-pong): only compute warpgroup `owner` runs the tile
+  (it frees each slot alone: `consumed` takes 1 arrival), and a load lands
+  on the owner's own `produced` barrier of the slot (2 x `stages` of
+  them). Each barrier's phase is tracked by the threads that wait on it,
+  so a warpgroup must wait on every phase of a barrier it waits on: with
+  one set shared, the warpgroup that skips the other's tiles would wait
+  on a stale parity. The memory warpgroup waits on every `consumed`
+  phase, whoever freed it; the slots are one ring, loaded in tile order,
+  so the next tile's first steps load while this one's last run."""
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step,
-               multicast=None, b_k_major=False):
+               multicast=None, b_k_major=False, owner=None):
     self.body, self.compute_context = body, compute_context
     self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
                                                      tile_k)
@@ -166,14 +187,17 @@ class _OffsetChain:
     self.transforms = swizzled(dtype, tile_k)
     self.multicast = multicast
     self.b_k_major = b_k_major
+    self.owner = owner
 
   def b_block_shape(self):
     return ((self.cta_tile_n, self.tile_k) if self.b_k_major else
             (self.tile_k, self.cta_tile_n))
 
   def get_allocations(self, a_ref, b_ref):
+    pingpong = self.owner is not None
     if self.multicast is None:
-      consumed = plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)
+      consumed = plgpu.Barrier(num_arrivals=1 if pingpong else 2,
+                               num_barriers=self.stages)
     else:
       consumed = plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,),
                                       num_arrivals=2,
@@ -186,7 +210,8 @@ class _OffsetChain:
                        b_ref.dtype, transforms=self.transforms)],
         flat_out_smem_refs=[],
         flat_produced_barrier_refs=[
-            plgpu.Barrier(num_arrivals=2, num_barriers=self.stages)],
+            plgpu.Barrier(num_arrivals=2, num_barriers=self.stages
+                          * (2 if pingpong else 1))],
         flat_consumed_barrier_refs=[consumed])
 
   def __call__(self, a_ref, b_ref, *, allocations):
@@ -197,6 +222,12 @@ class _OffsetChain:
 
     def slot(kk):
       return lax.rem(self.first_step + kk, self.stages)
+
+    def produced_at(s):
+      """The barrier the load into slot s lands on: the owner's."""
+      if self.owner is None:
+        return produced.at[s]
+      return produced.at[self.owner * self.stages + s]
 
     wg = lax.axis_index("wg")
 
@@ -212,22 +243,22 @@ class _OffsetChain:
           self.before_load(kk)
         cols = pl.ds(self.order(kk) * tile_k, tile_k)
         plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(0, self.cta_tile_m), cols],
-                                a_smem.at[s], produced.at[s],
+                                a_smem.at[s], produced_at(s),
                                 **_shared("n", self.multicast))
         b_block = (b_ref.at[pl.ds(0, self.cta_tile_n), cols]
                    if self.b_k_major else
                    b_ref.at[cols, pl.ds(0, self.cta_tile_n)])
-        plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced.at[s],
+        plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced_at(s),
                                 **_shared("m", self.multicast))
 
-    @pl.when(wg < 2)
+    @pl.when(wg < 2 if self.owner is None else wg == self.owner)
     def _compute():
       plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
       def run(carry):
         def step(kk, carry):
           s = slot(kk)
-          plgpu.barrier_wait(produced.at[s])
+          plgpu.barrier_wait(produced_at(s))
           carry = self.body((kk,), a_smem.at[s], b_smem.at[s], carry)
           # This step's wgmmas have read the slot: free it. (Keeping them
           # in flight and freeing each slot a step later would cost a stage
@@ -250,14 +281,17 @@ def can_chain(config, k_iters: int, delay_release: int) -> bool:
   return config.chain_tiles and delay_release == 0
 
 
-def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps):
+def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps,
+                     pingpong=False):
   """Before the first of chained pipelines: the compute warpgroups free
   every slot once, as a previous pipeline's last steps would have (its
-  memory warpgroup then loads the first steps as a prologue would)."""
+  memory warpgroup then loads the first steps as a prologue would). With
+  `pingpong` a slot is freed by one warpgroup (`_OffsetChain`'s `owner`):
+  warpgroup 0 frees them all."""
   # The one consumed barrier of JAX's automatic barrier management.
   [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
 
-  @pl.when(wg_idx < 2)
+  @pl.when(wg_idx == 0 if pingpong else wg_idx < 2)
   def _free():
     for slot in range(max_concurrent_steps):
       plgpu.barrier_arrive(consumed.at[slot])

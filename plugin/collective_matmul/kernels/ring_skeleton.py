@@ -115,9 +115,9 @@ def check_config(config, config_class):
                     "(`collective_matmul.selection` picks one for a shape)")
 
 
-def check_cluster(config, axis_size):
-  """Raises where `configs.cluster_reason` refuses `config` on this axis."""
-  reason = configs.cluster_reason(config, axis_size)
+def check_axis(config, axis_size):
+  """Raises where `configs.axis_reason` refuses `config` on this axis."""
+  reason = configs.axis_reason(config, axis_size)
   if reason:
     raise ValueError(reason)
 
@@ -394,15 +394,17 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   config = grid.config
   dtype, out_dtype = a_ref.dtype, out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
-  split_m = config.wg_dimension == "m"
   wg_idx = grid.wg_idx
   if config.cluster_dimension is not None and num_blocks is not None:
     raise ValueError("a cluster config runs its tiles on every block")
 
   chained = can_chain(config, grid.k_iters, delay_release)
+  if config.pingpong and not chained:
+    raise ValueError(f"{config} (pingpong) needs a chained pipeline: slots "
+                     "released at once (delay_release=0)")
 
   def make_pipeline(body, compute_context, n_idx, before_load=None,
-                    first_step=0):
+                    first_step=0, owner=None):
     order = None
     if k_order is not None:
       order = lambda kk: k_order(kk, n_idx)
@@ -412,7 +414,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
         chained=chained, first_step=first_step,
-        multicast=config.cluster_dimension, b_k_major=b_k_major)
+        multicast=config.cluster_dimension, b_k_major=b_k_major, owner=owner)
 
   def b_columns(cols):
     """B's k blocks of the output columns `cols`."""
@@ -420,7 +422,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
-      ignore, ignore, None if k_order is None else jnp.int32(0)
+      ignore, ignore, None if k_order is None else jnp.int32(0),
+      owner=0 if config.pingpong else None
   ).get_allocations(a_ref.at[pl.ds(0, cta_tile_m), :],
                     b_columns(pl.ds(0, cta_tile_n)))
 
@@ -436,7 +439,8 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
   )
   def _scope(pipeline_allocs, out_smem, **scratch_refs):
     if chained:
-      chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps)
+      chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps,
+                       pingpong=config.pingpong)
     # Read once per block; every epilogue multiplies by it.
     scale = None if scale_ref is None else scale_ref[0]
     total = grid.axis_size * math.prod(grid.cluster_iters)
@@ -449,10 +453,12 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
       step, m_idx, n_idx = grid.coordinates(linear)
       block, out_rows = row_block(step, m_idx)
       cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-      wg_m = pl.ds(wg_idx * config.tile_m, config.tile_m) if split_m else (
-          slice(None))
-      wg_n = slice(None) if split_m else pl.ds(wg_idx * config.tile_n,
-                                               config.tile_n)
+      # This warpgroup's part of the CTA tile (with `pingpong` the whole
+      # tile, on alternate tiles: `owner` below).
+      wg_m = (pl.ds(wg_idx * config.tile_m, config.tile_m)
+              if config.splits("m") else slice(None))
+      wg_n = (pl.ds(wg_idx * config.tile_n, config.tile_n)
+              if config.splits("n") else slice(None))
       tile = Tile(grid=grid, step=step, m_idx=m_idx, n_idx=n_idx,
                   block=block, out_rows=out_rows, cta_n=cta_n, wg_m=wg_m,
                   wg_n=wg_n, loop_info=loop_info, out_ref=out_ref,
@@ -483,7 +489,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
 
       def matmul(a_rows_ref, row):
         make_pipeline(mma_body, compute_context, n_idx, hooks.before_load,
-                      loop_info.local_index * grid.k_iters)(
+                      loop_info.local_index * grid.k_iters,
+                      owner=(lax.rem(loop_info.local_index, 2)
+                             if config.pingpong else None))(
             a_rows_ref.at[pl.ds(row, cta_tile_m), :],
             b_columns(cta_n),
             allocations=pipeline_allocs)

@@ -32,7 +32,7 @@ from collective_matmul.kernels.configs import FP8_TILE_K
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
-from collective_matmul.kernels.configs import cluster_reason
+from collective_matmul.kernels.configs import axis_reason
 from collective_matmul.selection.problem import Problem
 
 AUTOTUNE_CACHE = "autotune cache"
@@ -172,7 +172,7 @@ def load_cached_config(problem: Problem, device_kind: str, *,
     return None
   try:
     config = config_from_fields(collective, table[key])
-    reason = cluster_reason(config, problem.axis_size)
+    reason = axis_reason(config, problem.axis_size)
     if reason:
       raise ValueError(reason)
     return config
