@@ -1,7 +1,8 @@
 """Opt-in core variants of both kernels, on a one-device mesh, against an
 f32 reference with the output poisoned, twice, bit for bit: 2-block
 clusters sharing one operand by TMA multicast (`TileConfig.cluster_dimension`,
-D = 1 only) and one-slot epilogues (`TileConfig.epi_slots`)."""
+D = 1 only), one-slot epilogues (`TileConfig.epi_slots`) and ping-pong
+warpgroups (`TileConfig.pingpong`, D = 1 only)."""
 import functools
 
 import jax
@@ -47,6 +48,16 @@ CONFIGS = {
                            epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                            max_concurrent_steps=3, send_pieces=2,
                            chain_tiles=True),
+    # Ping-pong warpgroups: whole 128 x n tiles, alternating.
+    "ag_pingpong": AG(pingpong=True, chain_tiles=True,
+                      max_concurrent_steps=6),
+    "ag_pingpong_one_slot": AG(pingpong=True, chain_tiles=True,
+                               epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                               max_concurrent_steps=5),
+    "ag_pingpong_192": AG(tile_n=192, pingpong=True, chain_tiles=True),
+    "rs_pingpong_one_slot": RS(pingpong=True, chain_tiles=True,
+                               epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                               max_concurrent_steps=5),
 }
 # (m, k, n): k steps at and off the depths; m and n off the cluster tile
 # (padded); a grid with fewer cluster tiles than clusters (blocks with no

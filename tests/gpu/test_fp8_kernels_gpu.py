@@ -48,6 +48,15 @@ CONFIGS = {
                            wg_dimension="m", epi_tile_m=64, epi_tile_n=256,
                            epi_slots=1, max_concurrent_steps=3,
                            chain_tiles=True),
+    # Ping-pong warpgroups (`TileConfig.pingpong`, one device only).
+    "ag_pingpong_one_slot": AG(tile_k=128, pingpong=True, chain_tiles=True,
+                               epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                               max_concurrent_steps=5),
+    "ag_pingpong_192": AG(tile_k=128, tile_n=192, pingpong=True,
+                          chain_tiles=True),
+    "rs_pingpong_one_slot": RS(tile_k=128, pingpong=True, chain_tiles=True,
+                               epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                               max_concurrent_steps=5),
 }
 # (m, k, n): k steps at and off the depths; m, n and k off the tiles
 # (padded).

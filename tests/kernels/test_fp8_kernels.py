@@ -285,6 +285,43 @@ def test_fp8_picks_run_several_chained_tiles_per_block(collective, keys,
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
 
 
+PINGPONG = dict(tile_k=128, pingpong=True, chain_tiles=True)
+
+
+@interpret_mode
+@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.parametrize("collective,config,n", [
+    ("all_gather", AG(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                      max_concurrent_steps=5, **PINGPONG), 640),
+    ("all_gather", AG(tile_n=192, **PINGPONG), 576),
+    ("reduce_scatter", RS(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                          max_concurrent_steps=5, **PINGPONG), 640),
+], ids=["all_gather_one_slot", "all_gather_192", "reduce_scatter_one_slot"])
+def test_fp8_pingpong_warpgroups_alternate_tiles(collective, config, n, keys,
+                                                 monkeypatch):
+  """Ping-pong warpgroups (`TileConfig.pingpong`) on fp8 operands, the
+  weight K-major: 2 blocks of 15 or 9 whole 128 x n tiles, so each
+  warpgroup runs several, one block one tile more (an odd count: the
+  warpgroups' turns continue across the block's tiles), the one ring of
+  5 or 4 slots reused off its depth (3 k steps)."""
+  from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(configs, "sm_count", lambda device=None: 2)
+  m, k = 384, 384
+  lhs_dtype = E4M3 if collective == "all_gather" else E5M2
+  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
+                    if collective == "all_gather" else
+                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
+  a = normal(keys(), (m, k), lhs_dtype)
+  b_nk = normal(keys(), (n, k), E4M3)
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+  out = np.asarray(_interpreted(kernel, config, layout, a, b_nk, scale),
+                   np.float32)
+  assert np.isfinite(out).all(), "unwritten (NaN) output elements"
+  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
+         * np.float32(scale))
+  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
+
+
 @interpret_mode
 @pytest.mark.usefixtures("_fresh_interpreter")
 def test_a_bf16_weight_given_k_major_runs_in_interpret_mode(keys):
