@@ -503,3 +503,26 @@ def test_one_slot_epilogues_trace_in_the_core_and_the_ring(config, d):
                          _spec(mesh, (1024, 1024), specs[0]),
                          _spec(mesh, (1024, 1024), specs[1]))
   assert out.shape[1] == 1024
+
+
+@pytest.mark.parametrize("config", [
+    kernels.AllGatherConfig(pingpong=True, chain_tiles=True),
+    kernels.ReduceScatterConfig(pingpong=True, chain_tiles=True,
+                                epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                                max_concurrent_steps=5)], ids=str)
+def test_pingpong_keeps_one_step_in_flight_then_drains(config):
+  """Ping-pong (`TileConfig.pingpong`): the tile's owner waits until one
+  step's wgmmas are in flight in its k loop (it frees the previous step's
+  slot) and for all of them after it (the last slot, then the epilogue
+  reads the accumulator): every pipeline's waits are (1, 0)."""
+  mesh = _mesh(1)
+  kernel = (kernels.all_gather_lhs_matmul
+            if isinstance(config, kernels.AllGatherConfig)
+            else kernels.matmul_reduce_scatter)
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(functools.partial(kernel, axis_name="x",
+                                        config=config),
+                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    depths = _wgmma_wait_depths(jax.make_jaxpr(f)(
+        _spec(mesh, (1024, 1600), P()), _spec(mesh, (1600, 512), P())).jaxpr)
+  assert depths and depths == [1, 0] * (len(depths) // 2), depths

@@ -174,7 +174,9 @@ class _OffsetChain:
   one set shared, the warpgroup that skips the other's tiles would wait
   on a stale parity. The memory warpgroup waits on every `consumed`
   phase, whoever freed it; the slots are one ring, loaded in tile order,
-  so the next tile's first steps load while this one's last run."""
+  so the next tile's first steps load while this one's last run. The
+  owner keeps one step's wgmmas in flight and frees each slot a step
+  late."""
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step,
@@ -260,16 +262,32 @@ class _OffsetChain:
           s = slot(kk)
           plgpu.barrier_wait(produced_at(s))
           carry = self.body((kk,), a_smem.at[s], b_smem.at[s], carry)
-          # This step's wgmmas have read the slot: free it. (Keeping them
-          # in flight and freeing each slot a step later would cost a stage
-          # of prefetch.)
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[s])
+          if self.owner is None:
+            # This step's wgmmas have read the slot: free it. (Keeping
+            # them in flight and freeing each slot a step later would cost
+            # a stage of prefetch.)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[s])
+          else:
+            # Ping-pong: this warpgroup is mostly alone on the tensor
+            # cores (the other one is in its epilogue or waits for its
+            # next tile), so draining every step would leave them idle
+            # between steps: keep this step's wgmmas in flight and free
+            # the previous step's slot (one stage less prefetch).
+            plgpu.wgmma_wait(1)
+
+            @pl.when(kk > 0)
+            def _free_previous():
+              plgpu.barrier_arrive(consumed.at[slot(kk - 1)])
           # As JAX's pipeline does after every step (the bodies' sends
           # count TMA store groups the same way under both).
           plgpu.commit_smem_to_gmem_group()
           return carry
-        return lax.fori_loop(0, self.k_iters, step, carry)
+        carry = lax.fori_loop(0, self.k_iters, step, carry)
+        if self.owner is not None:
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[slot(self.k_iters - 1)])
+        return carry
 
       self.compute_context(run)
 
