@@ -83,6 +83,9 @@ def kernel_configs(pattern):
         "pingpong_one_slot": ag(chain_tiles=True, pingpong=True,
                                 epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                 max_concurrent_steps=5),
+        # In 2-block clusters sharing B (as cuBLAS's 128 x 160 tiles).
+        "pingpong_cluster_m": ag(chain_tiles=True, pingpong=True,
+                                 cluster_dimension="m"),
     }
   if pattern == "reduce_scatter":
     return {

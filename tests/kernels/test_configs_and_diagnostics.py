@@ -174,8 +174,9 @@ def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
 
 def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
   """`pingpong`: each warpgroup takes whole CTA tiles (the CTA tile is the
-  warpgroup tile, whatever `wg_dimension`), in one ring of slots; refused
-  without chained tiles, with a cluster, and on a ring (D > 1)."""
+  warpgroup tile, whatever `wg_dimension`), in one ring of slots, alone or
+  in 2-block clusters; refused without chained tiles and on a ring
+  (D > 1)."""
   split = kernels.AllGatherConfig(chain_tiles=True)
   pingpong = kernels.AllGatherConfig(chain_tiles=True, pingpong=True)
   assert (split.cta_tile_m, split.cta_tile_n) == (128, 256)
@@ -191,9 +192,9 @@ def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
   assert configs.axis_reason(split, 2) is None
   with pytest.raises(ValueError, match="chain_tiles=True"):
     kernels.AllGatherConfig(pingpong=True)
-  with pytest.raises(ValueError, match="cluster_dimension=None"):
-    kernels.ReduceScatterConfig(chain_tiles=True, pingpong=True,
-                                cluster_dimension="m")
+  clustered = kernels.ReduceScatterConfig(chain_tiles=True, pingpong=True,
+                                          cluster_dimension="m")
+  assert (clustered.cluster_tile_m, clustered.cluster_tile_n) == (256, 128)
   # Stored configs from before the field read back unchanged.
   assert "pingpong" not in split.to_json()
   assert pingpong.to_json()["pingpong"] is True

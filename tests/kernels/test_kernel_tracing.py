@@ -507,6 +507,8 @@ def test_one_slot_epilogues_trace_in_the_core_and_the_ring(config, d):
 
 @pytest.mark.parametrize("config", [
     kernels.AllGatherConfig(pingpong=True, chain_tiles=True),
+    kernels.AllGatherConfig(pingpong=True, chain_tiles=True,
+                            cluster_dimension="m"),
     kernels.ReduceScatterConfig(pingpong=True, chain_tiles=True,
                                 epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                 max_concurrent_steps=5)], ids=str)

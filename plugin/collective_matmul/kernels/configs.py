@@ -156,8 +156,11 @@ class TileConfig:
       `wg_dimension` does not apply: the CTA tile is `tile_m` x `tile_n`),
       so one warpgroup's epilogue runs while the other's k loop keeps the
       tensor cores busy. Both read one ring of `max_concurrent_steps`
-      slots, loaded in tile order (needs `chain_tiles`). A one-device axis
-      only for now (`axis_reason`).
+      slots, loaded in tile order (needs `chain_tiles`); the tile's owner
+      frees each slot a step late (one stage less prefetch). With
+      `cluster_dimension` the two blocks of a cluster run their paired
+      tiles on the same warpgroup. A one-device axis only for now
+      (`axis_reason`).
   """
 
   tile_m: int = 128
@@ -205,9 +208,6 @@ class TileConfig:
     if self.pingpong and not self.chain_tiles:
       raise ValueError("pingpong=True needs chain_tiles=True (the warpgroups' "
                        "tiles are loaded into one ring of slots, in order)")
-    if self.pingpong and self.cluster_dimension is not None:
-      raise ValueError(f"pingpong=True needs cluster_dimension=None, not "
-                       f"{self.cluster_dimension!r}")
 
   @property
   def cta_tile_m(self) -> int:

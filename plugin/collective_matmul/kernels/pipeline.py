@@ -66,15 +66,14 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   `owner` (`TileConfig.pingpong`; a traced 0 or 1): only that compute
   warpgroup runs this tile, on the whole CTA tile, while the other runs
   its own previous or next one (`_OffsetChain` with `owner`). Needs
-  `chained`, `first_step` and no `multicast`. None: both run it.
+  `chained` and `first_step`. None: both run it.
   """
   order = k_order or (lambda kk: kk)
   if multicast not in (None, "m", "n"):
     raise ValueError(f"{multicast=} must be None, 'm' or 'n'")
-  if owner is not None and (not chained or first_step is None
-                            or multicast is not None):
+  if owner is not None and (not chained or first_step is None):
     raise ValueError("a ping-pong pipeline (owner) is chained, with "
-                     "first_step, and without multicast")
+                     "first_step")
   if chained and (k_iters % max_concurrent_steps or owner is not None):
     if first_step is None:
       raise ValueError("a chained pipeline whose steps are no multiple of "
@@ -202,7 +201,7 @@ class _OffsetChain:
                                num_barriers=self.stages)
     else:
       consumed = plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,),
-                                      num_arrivals=2,
+                                      num_arrivals=1 if pingpong else 2,
                                       num_barriers=self.stages)
     return dict(
         flat_in_smem_refs=[
