@@ -247,6 +247,25 @@ def test_fp8_core_runs_in_interpret_mode(kernel, config, layout, lhs_dtype,
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
 
 
+def _check_interpreted(collective, config, m, k, n, keys):
+  """The collective's fp8 core (the all-gather's e4m3 x e4m3, the
+  reduce-scatter's e5m2 x e4m3, the weight K-major, a scale) interpreted
+  at m x k x n, against the f32 product of the same fp8 values."""
+  lhs_dtype = E4M3 if collective == "all_gather" else E5M2
+  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
+                    if collective == "all_gather" else
+                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
+  a = normal(keys(), (m, k), lhs_dtype)
+  b_nk = normal(keys(), (n, k), E4M3)
+  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
+  out = np.asarray(_interpreted(kernel, config, layout, a, b_nk, scale),
+                   np.float32)
+  assert np.isfinite(out).all(), "unwritten (NaN) output elements"
+  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
+         * np.float32(scale))
+  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
+
+
 def _fp8_pick(collective):
   """`selection`'s fp8 config (bf16 results) for a problem where it takes
   the 64 x 256 one-slot tiles (`heuristics._fp8_wide_tiles`)."""
@@ -269,20 +288,7 @@ def test_fp8_picks_run_several_chained_tiles_per_block(collective, keys,
   config = _fp8_pick(collective)
   assert config.epi_slots == 1 and config.chain_tiles
   monkeypatch.setattr(configs, "sm_count", lambda device=None: 2)
-  m, k, n = 512, 512, 512
-  lhs_dtype = E4M3 if collective == "all_gather" else E5M2
-  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
-                    if collective == "all_gather" else
-                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
-  a = normal(keys(), (m, k), lhs_dtype)
-  b_nk = normal(keys(), (n, k), E4M3)
-  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
-  out = np.asarray(_interpreted(kernel, config, layout, a, b_nk, scale),
-                   np.float32)
-  assert np.isfinite(out).all(), "unwritten (NaN) output elements"
-  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
-         * np.float32(scale))
-  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
+  _check_interpreted(collective, config, 512, 512, 512, keys)
 
 
 PINGPONG = dict(tile_k=128, pingpong=True, chain_tiles=True)
@@ -309,20 +315,7 @@ def test_fp8_pingpong_warpgroups_alternate_tiles(collective, config, n, keys,
   sharing B by multicast, 6 tiles each (m padded to the cluster tile)."""
   from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(configs, "sm_count", lambda device=None: 2)
-  m, k = 384, 384
-  lhs_dtype = E4M3 if collective == "all_gather" else E5M2
-  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
-                    if collective == "all_gather" else
-                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
-  a = normal(keys(), (m, k), lhs_dtype)
-  b_nk = normal(keys(), (n, k), E4M3)
-  scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
-  out = np.asarray(_interpreted(kernel, config, layout, a, b_nk, scale),
-                   np.float32)
-  assert np.isfinite(out).all(), "unwritten (NaN) output elements"
-  ref = (np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
-         * np.float32(scale))
-  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE
+  _check_interpreted(collective, config, 384, 384, n, keys)
 
 
 @interpret_mode

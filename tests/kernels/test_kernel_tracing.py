@@ -447,6 +447,21 @@ def test_rings_refuse_cluster_configs(config):
                      _spec(mesh, (1024, 1024), specs[1]))
 
 
+def _core_wait_depths(config):
+  """The wgmma waits (`_wgmma_wait_depths`) of the kernel that takes
+  `config`, traced on a one-device mesh at 1024 x 1600 x 512."""
+  mesh = _mesh(1)
+  kernel = (kernels.all_gather_lhs_matmul
+            if isinstance(config, kernels.AllGatherConfig)
+            else kernels.matmul_reduce_scatter)
+  with jax.set_mesh(mesh):
+    f = jax.shard_map(functools.partial(kernel, axis_name="x",
+                                        config=config),
+                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    return _wgmma_wait_depths(jax.make_jaxpr(f)(
+        _spec(mesh, (1024, 1600), P()), _spec(mesh, (1600, 512), P())).jaxpr)
+
+
 @pytest.mark.parametrize("config", CLUSTER_CONFIGS + [
     kernels.AllGatherConfig(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                             max_concurrent_steps=3, chain_tiles=True),
@@ -459,16 +474,7 @@ def test_no_slot_is_freed_while_a_wgmma_still_reads_it_in_the_core(config):
   once) for the core variants: the multicast pipelines (JAX's with
   `collective_axes`, `_OffsetChain` with cluster barriers) and one-slot
   epilogues."""
-  mesh = _mesh(1)
-  kernel = (kernels.all_gather_lhs_matmul
-            if isinstance(config, kernels.AllGatherConfig)
-            else kernels.matmul_reduce_scatter)
-  with jax.set_mesh(mesh):
-    f = jax.shard_map(functools.partial(kernel, axis_name="x",
-                                        config=config),
-                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
-    depths = _wgmma_wait_depths(jax.make_jaxpr(f)(
-        _spec(mesh, (1024, 1600), P()), _spec(mesh, (1600, 512), P())).jaxpr)
+  depths = _core_wait_depths(config)
   assert depths and set(depths) == {0}, depths
 
 
@@ -517,14 +523,5 @@ def test_pingpong_keeps_one_step_in_flight_then_drains(config):
   step's wgmmas are in flight in its k loop (it frees the previous step's
   slot) and for all of them after it (the last slot, then the epilogue
   reads the accumulator): every pipeline's waits are (1, 0)."""
-  mesh = _mesh(1)
-  kernel = (kernels.all_gather_lhs_matmul
-            if isinstance(config, kernels.AllGatherConfig)
-            else kernels.matmul_reduce_scatter)
-  with jax.set_mesh(mesh):
-    f = jax.shard_map(functools.partial(kernel, axis_name="x",
-                                        config=config),
-                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
-    depths = _wgmma_wait_depths(jax.make_jaxpr(f)(
-        _spec(mesh, (1024, 1600), P()), _spec(mesh, (1600, 512), P())).jaxpr)
+  depths = _core_wait_depths(config)
   assert depths and depths == [1, 0] * (len(depths) // 2), depths
