@@ -18,7 +18,8 @@ def _run(tool, *args):
                         cwd=REPO_ROOT)
 
 
-@pytest.mark.parametrize("tool", ["plot_kernels.py", "bench_kernels.py",
+@pytest.mark.parametrize("tool", ["plot_kernels.py", "plot_gemm_core.py",
+                                  "bench_kernels.py",
                                   "bench_gemm_core.py", "warpgroup_trace.py"])
 def test_tool_help_exits_cleanly(tool):
   run = _run(tool, "--help")

@@ -1,0 +1,127 @@
+"""Plot bench_gemm_core.py JSON: each of our cores against its cuBLAS GEMM,
+per shape, with issue 38's targets.
+
+Bars per shape: `ours_ag / cublas` and `ours_rs / cublas` (bf16), `ours_fp8
+/ cublas_fp8` (all-gather core, e4m3 x e4m3) and `ours_fp8_rs /
+cublas_fp8` (reduce-scatter core, e5m2 x e4m3), then each `--variant`
+arm (`ours_NAME`, against `cublas_fp8` where NAME has fp8, else
+`cublas`), where a row has both times; the legend gives each ratio's
+geomean. Lines: the geomean targets
+(bf16 1.00, fp8 1.03) and no shape over 1.08 (fp8). Rows of several files
+(one call's shapes split over calls) are merged by shape, later files
+replacing earlier ones.
+
+  python tools/plot_gemm_core.py benchmarks/gemm_core/run15.json \
+      benchmarks/gemm_core/run15_c.json benchmarks/gemm_core/run15.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+# (numerator, denominator, label) of each ratio drawn.
+RATIOS = [("ours_ag", "cublas", "bf16 all-gather core / cuBLAS"),
+          ("ours_rs", "cublas", "bf16 reduce-scatter core / cuBLAS"),
+          ("ours_fp8", "cublas_fp8", "fp8 all-gather core / cuBLASLt fp8"),
+          ("ours_fp8_rs", "cublas_fp8",
+           "fp8 reduce-scatter core / cuBLASLt fp8")]
+# Issue 38's targets: (value, label), drawn where a ratio of that dtype is.
+TARGETS = [(1.00, "bf16 geomean target"), (1.03, "fp8 geomean target"),
+           (1.08, "fp8: no shape over")]
+
+
+def merged_rows(paths):
+  """The rows of bench_gemm_core JSON files by shape (later files win),
+  in first-seen order, and the first file's `meta`."""
+  rows, meta = {}, None
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    meta = meta or data.get("meta", {})
+    for row in data["rows"]:
+      rows[row["shape"]] = row
+  return list(rows.values()), meta
+
+
+def _variants(rows):
+  """(numerator, denominator, label) of the `--variant` arms the rows
+  have: `ours_*` times other than `RATIOS`' and the fp8 forward's."""
+  fixed = {num for num, _, _ in RATIOS} | {"ours_fp8_fwd"}
+  names = []
+  for r in rows:
+    for key in r:
+      name = key[:-len("_us")]
+      if (key.endswith("_us") and not key.endswith("_rounds_us")
+          and name.startswith("ours_") and name not in fixed
+          and name not in names):
+        names.append(name)
+  return [(name, "cublas_fp8" if "fp8" in name else "cublas",
+           f"{name} / {'cuBLASLt fp8' if 'fp8' in name else 'cuBLAS'}")
+          for name in names]
+
+
+def ratios(rows):
+  """{label: [ratio or None per row]} of the `RATIOS` and variants some
+  row has."""
+  out = {}
+  for num, den, label in RATIOS + _variants(rows):
+    values = [r[f"{num}_us"] / r[f"{den}_us"]
+              if r.get(f"{num}_us") and r.get(f"{den}_us") else None
+              for r in rows]
+    if any(v is not None for v in values):
+      out[label] = values
+  return out
+
+
+def geomean(values):
+  present = [v for v in values if v is not None]
+  return math.exp(sum(map(math.log, present)) / len(present))
+
+
+def main(srcs, dst):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows, meta = merged_rows(srcs)
+  drawn = ratios(rows)
+  if not drawn:
+    raise SystemExit(f"{', '.join(srcs)}: no row has both times of any of "
+                     + ", ".join(f"{n}/{d}" for n, d, _ in RATIOS))
+  width = 0.8 / len(drawn)
+  fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)),
+                                  5.5 + 0.25 * (len(drawn) + 1) // 2))
+  for i, (label, values) in enumerate(drawn.items()):
+    xs = [j + (i - len(drawn) / 2 + 0.5) * width for j in range(len(rows))]
+    ax.bar(xs, [v if v is not None else 0 for v in values], width,
+           label=f"{label} (geomean {geomean(values):.3f})",
+           color=f"C{i}")
+  kinds = {"fp8" if "fp8" in label else "bf16" for label in drawn}
+  for value, label in TARGETS:
+    if label.split(" ")[0].rstrip(":") not in kinds:
+      continue
+    ax.axhline(value, color="k", lw=0.8, ls=":" if value > 1 else "-")
+    ax.annotate(label, (len(rows) - 0.5, value), fontsize=7, ha="right",
+                va="bottom")
+  ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], fontsize=8,
+                rotation=20)
+  ax.set_xlabel("M/K/N (the whole GEMM on one GPU)")
+  ax.set_ylabel("time / cuBLAS's (lower is better)")
+  highest = max(v for values in drawn.values() for v in values if v)
+  ax.set_ylim(0.9, max(1.15, highest + 0.02))
+  ax.set_title(f"Our matmul cores against cuBLAS, {meta.get('device', '?')}, "
+               f"jax {meta.get('jax', '?')}")
+  ax.legend(fontsize=8, ncol=2, loc="upper center",
+            bbox_to_anchor=(0.5, -0.2))
+  fig.tight_layout()
+  fig.savefig(dst, dpi=110)
+  print("wrote", dst)
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("src", nargs="+",
+                      help="JSON written by tools/bench_gemm_core.py")
+  parser.add_argument("dst", help="PNG to write")
+  args = parser.parse_args()
+  main(args.src, args.dst)
