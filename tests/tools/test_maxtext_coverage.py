@@ -88,3 +88,22 @@ def test_the_document_reads_back_row_by_block(tmp_path):
   path.write_text(maxtext_coverage.document(coverages))
   rows = maxtext_coverage.committed_rows(str(path))
   assert rows == {"mixtral": coverages[0].row(), "gemma": coverages[1].row()}
+
+
+def test_the_fp8_document_names_its_setting_and_the_committed_files_read_back():
+  """`--quantization fp8`: its own title, `quantization=fp8` among the
+  common settings, and the committed tables' text is what `document`
+  writes for their rows (no hand edits: regenerate with the tool)."""
+  coverage = maxtext_coverage.read_summary(BLOCK, _stdout([_decision(
+      "mlp/wi_0", True, CPU, "all_gather")]))
+  text = maxtext_coverage.document([coverage], "fp8")
+  assert text.startswith("# MaxText coverage with `quantization=fp8`\n")
+  assert "dtype=float32" in text and "quantization=fp8`" in text
+  assert "quantization" not in maxtext_coverage.document([coverage])
+  for quantization, path in [(None, maxtext_coverage.DEFAULT_OUT),
+                             ("fp8", maxtext_coverage.QUANTIZATIONS["fp8"])]:
+    rows = maxtext_coverage.committed_rows(path)
+    kept = [maxtext_coverage._Row(rows[b.name])  # pylint: disable=protected-access
+            for b in maxtext_coverage.BLOCKS if b.name in rows]
+    with open(path) as f:
+      assert maxtext_coverage.document(kept, quantization) == f.read(), path

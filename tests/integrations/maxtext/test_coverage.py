@@ -25,3 +25,17 @@ def test_the_sweep_reproduces_the_committed_row(block):
   coverage = maxtext_coverage.run_block(spec, WORK, timeout=900)
   assert coverage.rewritten is not None, coverage.error
   assert coverage.row() == committed[block]
+
+
+def test_the_fp8_sweep_reproduces_the_committed_row():
+  """docs/MAXTEXT_COVERAGE_FP8.md (`--quantization fp8`): a MoE block's
+  fp8 projections served as e4m3 x e4m3 and their input gradients as
+  e5m2 x e4m3, the routed experts and the router left as in bf16."""
+  committed = maxtext_coverage.committed_rows(
+      maxtext_coverage.QUANTIZATIONS["fp8"])
+  (spec,) = [b for b in maxtext_coverage.BLOCKS if b.name == "mixtral"]
+  coverage = maxtext_coverage.run_block(spec, WORK, timeout=900,
+                                        quantization="fp8")
+  assert coverage.rewritten is not None, coverage.error
+  assert coverage.row() == committed["mixtral"]
+  assert "e5m2 x e4m3" in coverage.row()
