@@ -9,6 +9,12 @@ ones left to MaxText and why.
     python tools/maxtext_coverage.py                  # every block
     python tools/maxtext_coverage.py --blocks llama2,mixtral --out table.md
     python tools/maxtext_coverage.py --quantization fp8   # MaxText's fp8
+    python tools/maxtext_coverage.py --losses   # and the same loss, off
+
+`--losses` trains each model twice more with the plugin off: on the same
+mesh, and with `tensor` in place of `tensor_sequence` (MaxText's own
+program on another layout: how far its losses move where only the order
+of float sums changes, the yardstick for the plugin's difference).
 
 Needs MaxText (Python 3.12, `.[maxtext]`). A run that fails is a row that
 says so, with MaxText's last line.
@@ -18,8 +24,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +43,7 @@ COMMON = (
     "hardware=cpu", "skip_jax_distributed_system=True",
     "dataset_type=synthetic", "override_model_config=True",
     "vocab_size=1024", "max_target_length=128", "per_device_batch_size=1",
-    "steps=2", "enable_checkpointing=False", "log_config=False",
+    "steps=3", "enable_checkpointing=False", "log_config=False",
     "ici_data_parallelism=2", "ici_tensor_sequence_parallelism=4",
     "dtype=float32", "weight_dtype=float32", "matmul_precision=highest",
     # Tiny models replicate more of their (small) parameters than MaxText's
@@ -134,6 +142,13 @@ BLOCKS = (
 )
 
 
+# `--losses`' yardstick: the plugin off, with the tensor-sequence axis's
+# devices on tensor instead: the same model, with the sums over a sharded
+# contraction (forward and backward) in another order.
+FLOOR_MESH = {"ici_tensor_sequence_parallelism": "1",
+              "ici_tensor_parallelism": "4"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Coverage:
   """What the launcher's closing summary said of one block's model."""
@@ -144,6 +159,7 @@ class Coverage:
   served: tuple[str, ...] = ()  # "names: how" per kind of rewrite.
   left: tuple[str, ...] = ()  # "names: reason" per reason.
   error: str = ""
+  losses: tuple[float, ...] = ()  # Per step, from MaxText's metrics file.
 
   def row(self) -> str:
     cells = [f"`{self.block.name}`", f"`{self.block.model}`"]
@@ -191,21 +207,26 @@ def read_summary(block: Block, stdout: str) -> Coverage:
   return Coverage(block, rewritten, total, tuple(served), tuple(left))
 
 
-def run_block(block: Block, workdir: str, python: str = sys.executable,
-              timeout: int = 1800, quantization: str | None = None
-              ) -> Coverage:
-  """Trains `block`'s tiny model through the launcher, plugin on (with
-  MaxText's `quantization` where given)."""
-  if block.skip:
-    return Coverage(block, error=f"not run: {block.skip}")
+def _train(block: Block, workdir: str, run_name: str, python: str,
+           timeout: int, quantization: str | None, plugin: bool,
+           mesh: dict[str, str] | None = None
+           ) -> tuple[str, tuple[float, ...], str]:
+  """Trains `block`'s tiny model through the launcher (plugin on or off,
+  on COMMON's mesh changed by `mesh`): its stdout, its loss per step, and
+  the error line where it failed ("" where it did not)."""
   import maxtext  # pylint: disable=g-import-not-at-top
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs",
                       "base.yml")
+  mesh = mesh or {}
+  common = [c for c in COMMON if c.split("=")[0] not in mesh]
+  metrics = os.path.join(workdir, f"{run_name}.jsonl")
   argv = [python, "-m", "collective_matmul.integrations.maxtext", base,
-          f"run_name={block.name}", f"base_output_directory={workdir}",
-          f"model_name={block.model}", *COMMON, *block.overrides,
+          f"run_name={run_name}", f"base_output_directory={workdir}",
+          f"model_name={block.model}", *common,
+          *(f"{k}={v}" for k, v in mesh.items()), *block.overrides,
           *([f"quantization={quantization}"] if quantization else []),
-          "--use_collective_matmul"]
+          f"metrics_file={metrics}",
+          *(["--use_collective_matmul"] if plugin else [])]
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   env["PYTHONPATH"] = os.pathsep.join(
@@ -214,14 +235,85 @@ def run_block(block: Block, workdir: str, python: str = sys.executable,
     run = subprocess.run(argv, capture_output=True, text=True, env=env,
                          timeout=timeout, cwd=workdir)
   except subprocess.TimeoutExpired:
-    return Coverage(block, error=f"timed out after {timeout} s")
+    return "", (), f"timed out after {timeout} s"
   if run.returncode != 0:
     lines = [l.strip() for l in run.stderr.splitlines() if l.strip()]
     errors = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)
               or "error" in l.lower()]
     last = (errors or lines or [f"exit status {run.returncode}"])[-1]
-    return Coverage(block, error=last[:300])
-  return read_summary(block, run.stdout)
+    return run.stdout, (), last[:300]
+  if not os.path.exists(metrics):
+    return run.stdout, (), f"no metrics file ({metrics})"
+  return run.stdout, read_losses(metrics), ""
+
+
+def read_losses(path: str) -> tuple[float, ...]:
+  """The loss of each step in MaxText's metrics file (JSON lines)."""
+  with open(path) as f:
+    return tuple(json.loads(line)["learning/loss"] for line in f
+                 if line.strip())
+
+
+def run_block(block: Block, workdir: str, python: str = sys.executable,
+              timeout: int = 1800, quantization: str | None = None
+              ) -> Coverage:
+  """Trains `block`'s tiny model through the launcher, plugin on (with
+  MaxText's `quantization` where given)."""
+  if block.skip:
+    return Coverage(block, error=f"not run: {block.skip}")
+  stdout, losses, error = _train(block, workdir, f"{block.name}-on", python,
+                                 timeout, quantization, plugin=True)
+  if error:
+    return Coverage(block, error=error)
+  return dataclasses.replace(read_summary(block, stdout), losses=losses)
+
+
+def _max_rel(losses, reference) -> float:
+  return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCheck:
+  """One block's losses: plugin on, off, and off on FLOOR_MESH."""
+
+  block: Block
+  on: tuple[float, ...] = ()
+  off: tuple[float, ...] = ()
+  floor: tuple[float, ...] = ()
+  error: str = ""
+
+  def row(self) -> str:
+    cells = [f"`{self.block.name}`"]
+    if self.error:
+      cells += ["did not run", "", "", _escape(self.error)]
+    else:
+      cells += [" ".join(f"{x:.6f}" for x in self.on),
+                " ".join(f"{x:.6f}" for x in self.off),
+                f"{_max_rel(self.on, self.off):.1e}",
+                f"{_max_rel(self.floor, self.off):.1e}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def check_losses(coverage: Coverage, workdir: str,
+                 python: str = sys.executable, timeout: int = 1800,
+                 quantization: str | None = None) -> LossCheck:
+  """`coverage`'s losses (plugin on) against the plugin off, on the same
+  mesh and on FLOOR_MESH."""
+  block = coverage.block
+  if coverage.rewritten is None:
+    return LossCheck(block, error=coverage.error or "did not run")
+  runs = {}
+  for name, mesh in (("off", None), ("floor", FLOOR_MESH)):
+    _, losses, error = _train(block, workdir, f"{block.name}-{name}", python,
+                              timeout, quantization, plugin=False, mesh=mesh)
+    if error:
+      return LossCheck(block, error=f"plugin off ({name}): {error}")
+    runs[name] = losses
+  if not len(coverage.losses) == len(runs["off"]) == len(runs["floor"]) > 0:
+    return LossCheck(block, error=(
+        f"steps logged: {len(coverage.losses)} on, {len(runs['off'])} off, "
+        f"{len(runs['floor'])} off on the other mesh"))
+  return LossCheck(block, coverage.losses, runs["off"], runs["floor"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,21 +326,75 @@ class _Row:
     return self.text
 
 
-def committed_rows(path: str = DEFAULT_OUT) -> dict[str, str]:
-  """The rows of the table at `path`, by block name."""
+_COVERAGE_HEAD = ("| block | model | rewritten | served | left to MaxText "
+                  "/ XLA, and why |", "|---|---|---|---|---|")
+_LOSSES_HEAD = ("| block | loss per step, plugin on | plugin off | on vs off "
+                "| off, tensor vs tensor_sequence |", "|---|---|---|---|---|")
+
+
+def committed_rows(path: str = DEFAULT_OUT, losses: bool = False
+                   ) -> dict[str, str]:
+  """The rows of the coverage table at `path` (with `losses`: of its
+  losses table), by block name."""
+  wanted, rows, current = _LOSSES_HEAD if losses else _COVERAGE_HEAD, {}, None
   with open(path) as f:
-    return {line.split("|")[1].strip().strip("`"): line.rstrip("\n")
-            for line in f if line.startswith("| `")}
+    for line in f:
+      line = line.rstrip("\n")
+      if line.startswith("| block |"):
+        current = line
+      elif line.startswith("| `") and current == wanted[0]:
+        rows[line.split("|")[1].strip().strip("`")] = line
+  return rows
 
 
-def table(coverages) -> str:
-  """The markdown table of `coverages`, one row per block."""
-  head = ["| block | model | rewritten | served | left to MaxText / XLA, "
-          "and why |", "|---|---|---|---|---|"]
-  return "\n".join(head + [c.row() for c in coverages]) + "\n"
+def table(rows, head=_COVERAGE_HEAD) -> str:
+  """The markdown table of `rows` (a `row()` each), one per block."""
+  return "\n".join([*head, *(r.row() for r in rows)]) + "\n"
 
 
-def document(coverages, quantization: str | None = None) -> str:
+def _losses_section(checks) -> str:
+  steps = dict(c.split("=", 1) for c in COMMON)["steps"]
+  mesh = ", ".join(f"{k}={v}" for k, v in FLOOR_MESH.items())
+  return f"""
+## The same loss
+
+`--losses`: each model trained again with the plugin off, on the same
+mesh (`on vs off`: the largest relative difference of a step's loss over
+the {steps} steps), and off on another layout of the same devices
+(`{mesh}`):
+MaxText's own program with its sums in another order. The
+plugin's rings sum in another order too, so the last column is the
+yardstick for the one before. In fp8 both are larger than in float32:
+where a sum's last bit differs, an fp8 rounding may flip, and the flip
+(at most an eighth of the value in e4m3) carries through every later
+layer. A block whose routing or grouping depends on the layout (MoE
+capacity, per-shard statistics) moves in the last column for that reason
+too.
+
+{table(checks, _LOSSES_HEAD)}
+{_losses_summary(checks)}
+"""
+
+
+def _losses_summary(checks) -> str:
+  """The median and the largest of the losses table's two columns of
+  differences (read back from the rows, so that merged rows count)."""
+  columns = ([], [])
+  for check in checks:
+    cells = [c.strip() for c in check.row().split("|")[1:-1]]
+    if cells[1] != "did not run":
+      columns[0].append(float(cells[3]))
+      columns[1].append(float(cells[4]))
+  if not columns[0]:
+    return "No block trained."
+  text = [f"median {statistics.median(c):.1e}, largest {max(c):.1e}"
+          for c in columns]
+  return (f"Blocks trained: {len(columns[0])}. On vs off: {text[0]}. "
+          f"Plugin off, tensor vs tensor_sequence: {text[1]}.")
+
+
+def document(coverages, quantization: str | None = None,
+             checks=None) -> str:
   setup = " ".join(COMMON + ((f"quantization={quantization}",)
                              if quantization else ()))
   title, flag, fp8 = "", "", ""
@@ -293,7 +439,14 @@ deepseek4 is outside the sweep: {DEEPSEEK4_SKIP}. Its weight matmuls
 hyper-connections' mixing einsums, `jnp.einsum` outside `DenseGeneral`)
 are neither counted nor served.
 
-{table(coverages)}"""
+{table(coverages)}{_losses_section(checks) if checks else ""}"""
+
+
+def _merged(ran, kept: dict[str, str]) -> list[_Row]:
+  """The rows of `ran`, and `kept`'s of the blocks not in it, in BLOCKS'
+  order."""
+  rows = {**kept, **{r.block.name: r.row() for r in ran}}
+  return [_Row(rows[b.name]) for b in BLOCKS if b.name in rows]
 
 
 def main(argv=None) -> int:
@@ -315,6 +468,10 @@ def main(argv=None) -> int:
                       help="blocks trained at once (default: %(default)s)")
   parser.add_argument("--merge", action="store_true",
                       help="keep --out's rows of the blocks not run")
+  parser.add_argument("--losses", action="store_true",
+                      help="train each model with the plugin off too (on "
+                      "the same mesh, and with tensor in place of "
+                      "tensor_sequence) and add a table of the losses")
   args = parser.parse_args(argv)
   args.out = args.out or QUANTIZATIONS.get(args.quantization, DEFAULT_OUT)
   wanted = [b for b in args.blocks.split(",") if b]
@@ -324,20 +481,28 @@ def main(argv=None) -> int:
     parser.error(f"unknown blocks {unknown}; known: {', '.join(known)}")
   blocks = [known[b] for b in wanted] if wanted else list(BLOCKS)
   workdir = tempfile.mkdtemp(prefix="cm_coverage_")
-  coverages = []
+
+  def one(block):
+    coverage = run_block(block, workdir, quantization=args.quantization)
+    check = None
+    if args.losses and not block.skip:
+      check = check_losses(coverage, workdir,
+                           quantization=args.quantization)
+    return coverage, check
+
+  coverages, checks = [], []
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    for coverage in pool.map(
-        lambda b: run_block(b, workdir, quantization=args.quantization),
-        blocks):
-      print(coverage.row(), flush=True)
+    for i, (coverage, check) in enumerate(pool.map(one, blocks)):
+      print(f"[{i + 1}/{len(blocks)}] {coverage.row()}", flush=True)
       coverages.append(coverage)
+      if check:
+        print(f"  {check.row()}", flush=True)
+        checks.append(check)
   if args.merge and os.path.exists(args.out):
-    kept = committed_rows(args.out)
-    ran = {c.block.name: c.row() for c in coverages}
-    rows = [ran.get(b.name, kept.get(b.name)) for b in BLOCKS]
-    coverages = [_Row(row) for row in rows if row]
+    coverages = _merged(coverages, committed_rows(args.out))
+    checks = _merged(checks, committed_rows(args.out, losses=True))
   with open(args.out, "w") as f:
-    f.write(document(coverages, args.quantization))
+    f.write(document(coverages, args.quantization, checks))
   print(f"wrote {args.out}")
   return 0
 

@@ -1,9 +1,11 @@
 """tools/maxtext_coverage.py without MaxText: its table row is what the
 launcher's closing summary says (tests/integrations/maxtext/test_coverage.py
 runs it on real MaxText)."""
+import json
 import os
 import subprocess
 import sys
+import types
 
 import collective_matmul as cm
 from collective_matmul.integrations.maxtext import summary
@@ -102,8 +104,86 @@ def test_the_fp8_document_names_its_setting_and_the_committed_files_read_back():
   assert "quantization" not in maxtext_coverage.document([coverage])
   for quantization, path in [(None, maxtext_coverage.DEFAULT_OUT),
                              ("fp8", maxtext_coverage.QUANTIZATIONS["fp8"])]:
-    rows = maxtext_coverage.committed_rows(path)
-    kept = [maxtext_coverage._Row(rows[b.name])  # pylint: disable=protected-access
-            for b in maxtext_coverage.BLOCKS if b.name in rows]
+    kept = [maxtext_coverage._merged(  # pylint: disable=protected-access
+        [], maxtext_coverage.committed_rows(path, losses=losses))
+            for losses in (False, True)]
     with open(path) as f:
-      assert maxtext_coverage.document(kept, quantization) == f.read(), path
+      assert maxtext_coverage.document(kept[0], quantization,
+                                       kept[1]) == f.read(), path
+
+
+def _check(on, off, floor, error=""):
+  return maxtext_coverage.LossCheck(BLOCK, on, off, floor, error)
+
+
+def test_the_losses_row_gives_each_run_and_the_largest_differences():
+  row = _check((7.5, 7.4, 7.3), (7.5, 7.4, 7.29), (7.5, 7.41, 7.3)).row()
+  assert row == ("| `mixtral` | 7.500000 7.400000 7.300000 | 7.500000 "
+                 "7.400000 7.290000 | 1.4e-03 | 1.4e-03 |")
+  row = _check((), (), (), "plugin off (off): Boom|").row()
+  assert row == "| `mixtral` | did not run |  |  | plugin off (off): Boom\\| |"
+
+
+def test_a_block_that_did_not_run_is_not_trained_again(tmp_path):
+  coverage = maxtext_coverage.read_summary(BLOCK, "Traceback ...\n")
+  check = maxtext_coverage.check_losses(coverage, str(tmp_path))
+  assert check.error == "no closing summary"
+
+
+def test_the_document_reads_back_both_tables(tmp_path):
+  coverage = maxtext_coverage.read_summary(BLOCK, _stdout([_decision(
+      "mlp/wi_0", True, CPU, "all_gather")]))
+  check = _check((7.5, 7.4), (7.5, 7.41), (7.5, 7.405))
+  path = tmp_path / "coverage.md"
+  path.write_text(maxtext_coverage.document([coverage], "fp8", [check]))
+  assert maxtext_coverage.committed_rows(str(path)) == {
+      "mixtral": coverage.row()}
+  assert maxtext_coverage.committed_rows(str(path), losses=True) == {
+      "mixtral": check.row()}
+  assert "## The same loss" in path.read_text()
+  assert ("Blocks trained: 1. On vs off: median 1.3e-03, largest 1.3e-03. "
+          "Plugin off, tensor vs tensor_sequence: median 6.7e-04, largest "
+          "6.7e-04.") in path.read_text()
+  assert "## The same loss" not in maxtext_coverage.document([coverage])
+
+
+def test_the_runs_differ_only_in_plugin_and_mesh_and_read_the_metrics(
+    tmp_path, monkeypatch):
+  """Plugin off drops the flag; FLOOR_MESH replaces COMMON's mesh (not
+  appended beside it); each run's losses come from its own metrics file."""
+  argvs = []
+
+  def fake_run(argv, **kwargs):
+    del kwargs
+    argvs.append(argv)
+    (metrics,) = [a.split("=", 1)[1] for a in argv
+                  if a.startswith("metrics_file=")]
+    with open(metrics, "w") as f:
+      for step in range(3):
+        f.write(json.dumps({"learning/loss": 7.0 + len(argvs) + step / 10,
+                            "step": step}) + "\n")
+    return subprocess.CompletedProcess(argv, 0, _stdout([_decision(
+        "mlp/wi_0", True, CPU, "all_gather")]), "")
+
+  monkeypatch.setattr(maxtext_coverage.subprocess, "run", fake_run)
+  monkeypatch.setitem(sys.modules, "maxtext", types.SimpleNamespace(
+      __file__=str(tmp_path / "maxtext" / "__init__.py")))
+  coverage = maxtext_coverage.run_block(BLOCK, str(tmp_path),
+                                        quantization="fp8")
+  check = maxtext_coverage.check_losses(coverage, str(tmp_path),
+                                        quantization="fp8")
+  assert coverage.losses == (8.0, 8.1, 8.2)
+  assert (check.on, check.off, check.floor) == (
+      (8.0, 8.1, 8.2), (9.0, 9.1, 9.2), (10.0, 10.1, 10.2))
+  on, off, floor = argvs
+  assert "--use_collective_matmul" in on
+  assert "--use_collective_matmul" not in off + floor
+  assert all("quantization=fp8" in a for a in argvs)
+  strip = lambda argv: [a for a in argv if not a.startswith(
+      ("run_name=", "metrics_file=", "--use_collective_matmul"))]
+  assert strip(on) == strip(off)
+  assert "ici_tensor_sequence_parallelism=4" in off
+  changed = sorted(set(strip(floor)) - set(strip(off)))
+  assert changed == sorted(f"{k}={v}" for k, v in
+                           maxtext_coverage.FLOOR_MESH.items())
+  assert "ici_tensor_sequence_parallelism=4" not in floor
