@@ -39,3 +39,7 @@ def test_the_fp8_sweep_reproduces_the_committed_row():
   assert coverage.rewritten is not None, coverage.error
   assert coverage.row() == committed["mixtral"]
   assert "e5m2 x e4m3" in coverage.row()
+  # `--losses` reads them from MaxText's metrics file: one per step.
+  steps = int(dict(c.split("=", 1) for c in maxtext_coverage.COMMON)["steps"])
+  assert len(coverage.losses) == steps, coverage.losses
+  assert all(0 < loss < 20 for loss in coverage.losses), coverage.losses
