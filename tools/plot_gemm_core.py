@@ -6,7 +6,10 @@ Bars per shape: `ours_ag / cublas` and `ours_rs / cublas` (bf16), `ours_fp8
 cublas_fp8` (reduce-scatter core, e5m2 x e4m3), then each `--variant`
 arm (`ours_NAME`, against `cublas_fp8` where NAME has fp8, else
 `cublas`), where a row has both times; the legend gives each ratio's
-geomean. Lines: the geomean targets
+geomean. Where an arm's `*_kernels` show work outside our Mosaic GPU kernel
+(operands padded to the tile, the output sliced back: a tile that does
+not divide the shape), that part of its bar is hatched. Lines: the
+geomean targets
 (bf16 1.00, fp8 1.03) and no shape over 1.08 (fp8). Rows of several files
 (one call's shapes split over calls) are merged by shape, later files
 replacing earlier ones.
@@ -74,6 +77,23 @@ def ratios(rows):
   return out
 
 
+def kernel_share(row, name):
+  """The share of arm `name`'s kernel time in `row` spent in our Mosaic
+  GPU kernel (1.0 when it ran alone), from the CUPTI per-kernel times of
+  `{name}_kernels`; None without them."""
+  kernels = row.get(f"{name}_kernels")
+  if not kernels:
+    return None
+  ours = sum(us for kernel, us in kernels.items() if "mosaic" in kernel)
+  return ours / sum(kernels.values())
+
+
+def shares(rows):
+  """{label: [kernel share or None per row]} of the drawn ratios."""
+  return {label: [kernel_share(r, num) for r in rows]
+          for num, _, label in RATIOS + _variants(rows)}
+
+
 def geomean(values):
   present = [v for v in values if v is not None]
   return math.exp(sum(map(math.log, present)) / len(present))
@@ -85,17 +105,27 @@ def main(srcs, dst):
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   rows, meta = merged_rows(srcs)
   drawn = ratios(rows)
+  inside = shares(rows)
   if not drawn:
     raise SystemExit(f"{', '.join(srcs)}: no row has both times of any of "
                      + ", ".join(f"{n}/{d}" for n, d, _ in RATIOS))
   width = 0.8 / len(drawn)
+  hatched = False
   fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)),
                                   5.5 + 0.25 * (len(drawn) + 1) // 2))
   for i, (label, values) in enumerate(drawn.items()):
     xs = [j + (i - len(drawn) / 2 + 0.5) * width for j in range(len(rows))]
-    ax.bar(xs, [v if v is not None else 0 for v in values], width,
+    heights = [v if v is not None else 0 for v in values]
+    ax.bar(xs, heights, width,
            label=f"{label} (geomean {geomean(values):.3f})",
            color=f"C{i}")
+    outside = [h * (1 - share) if share is not None else 0
+               for h, share in zip(heights, inside[label])]
+    if any(o > 0 for o in outside):
+      ax.bar(xs, outside, width, bottom=[h - o for h, o in
+                                         zip(heights, outside)],
+             color="none", edgecolor="k", hatch="///", lw=0)
+      hatched = True
   kinds = {"fp8" if "fp8" in label else "bf16" for label in drawn}
   for value, label in TARGETS:
     if label.split(" ")[0].rstrip(":") not in kinds:
@@ -103,6 +133,9 @@ def main(srcs, dst):
     ax.axhline(value, color="k", lw=0.8, ls=":" if value > 1 else "-")
     ax.annotate(label, (len(rows) - 0.5, value), fontsize=7, ha="right",
                 va="bottom")
+  if hatched:
+    ax.bar([0], [0], color="none", edgecolor="k", hatch="///", lw=0,
+           label="hatched: padding and slicing outside our kernel")
   ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], fontsize=8,
                 rotation=20)
   ax.set_xlabel("M/K/N (the whole GEMM on one GPU)")

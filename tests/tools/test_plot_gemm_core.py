@@ -50,6 +50,26 @@ def test_ratios_geomeans_and_rows_merged_by_shape(tmp_path):
   assert out.read_bytes().startswith(b"\x89PNG")
 
 
+def test_work_outside_our_kernel_is_its_share(tmp_path):
+  plot = import_script("plot_gemm_core")
+  src = _write(tmp_path / "a.json", [
+      {"shape": "1/2/3", "cublas_fp8_us": 100.0, "ours_fp8_us": 100.0,
+       "ours_fp8_kernels": {"anonymous_mosaic_gpu_kernel": 100.0},
+       "ours_fp8_pp_us": 150.0,
+       "ours_fp8_pp_kernels": {"loop_pad_fusion": 10.0,
+                               "anonymous_mosaic_gpu_kernel": 110.0,
+                               "loop_slice_fusion": 30.0}}])
+  rows, _ = plot.merged_rows([src])
+  assert plot.kernel_share(rows[0], "ours_fp8") == 1.0
+  assert plot.kernel_share(rows[0], "ours_fp8_pp") == pytest.approx(110 / 150)
+  assert plot.kernel_share(rows[0], "ours_fp8_rs") is None
+  assert plot.shares(rows)["ours_fp8_pp / cuBLASLt fp8"] == [
+      pytest.approx(110 / 150)]
+  out = tmp_path / "core.png"
+  plot.main([src], str(out))
+  assert out.read_bytes().startswith(b"\x89PNG")
+
+
 def test_a_json_without_any_ratio_is_refused(tmp_path):
   plot = import_script("plot_gemm_core")
   src = _write(tmp_path / "a.json", [{"shape": "1/2/3", "cublas_us": 1.0}])
