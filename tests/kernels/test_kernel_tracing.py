@@ -9,6 +9,7 @@ import functools
 import re
 
 import jax
+from jax._src import core as jax_core  # jaxprs_in_params: JAX 0.10 to 0.12.
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
@@ -441,7 +442,7 @@ def test_rings_refuse_cluster_configs(config):
   with jax.set_mesh(mesh):
     f = jax.jit(jax.shard_map(
         functools.partial(kernel, axis_name="x", config=config),
-        in_specs=specs, out_specs=P("x", None), check_vma=False))
+        in_specs=specs, out_specs=out_spec, check_vma=False))
     with pytest.raises(ValueError, match="cluster_dimension"):
       jax.eval_shape(f, _spec(mesh, (1024, 1024), specs[0]),
                      _spec(mesh, (1024, 1024), specs[1]))
@@ -525,3 +526,51 @@ def test_pingpong_keeps_one_step_in_flight_then_drains(config):
   reads the accumulator): every pipeline's waits are (1, 0)."""
   depths = _core_wait_depths(config)
   assert depths and depths == [1, 0] * (len(depths) // 2), depths
+
+
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("n,copies", [(264, False), (260, True)])
+@pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
+def test_columns_off_the_tiles_are_left_to_tma(pattern, n, copies, d):
+  """m and k fit the tiles, n does not: the last column tile's loads read
+  zeros and its stores drop what lies past n (TMA), so no pad and no slice
+  surround the kernel; where the rows are not 16-byte aligned (260 bf16
+  columns) they still do. The numerics: tests/kernels/test_kernel_interpret
+  and tests/gpu."""
+  mesh = _mesh(d)
+  m, k = 256, 128
+  if pattern == "all_gather":
+    kernel, specs = kernels.all_gather_lhs_matmul, (P("x", None), P())
+    config, out_spec = kernels.AllGatherConfig(), P()
+    shapes = ((d * m, k), (k, n))
+  else:
+    kernel, specs = kernels.matmul_reduce_scatter, (P(None, "x"), P("x"))
+    config, out_spec = kernels.ReduceScatterConfig(), P("x", None)
+    shapes = ((d * m, d * k), (d * k, n))
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(
+        functools.partial(kernel, axis_name="x", config=config),
+        in_specs=specs, out_specs=out_spec, check_vma=False))
+    args = [_spec(mesh, s, p) for s, p in zip(shapes, specs)]
+    assert jax.eval_shape(f, *args).shape == (d * m, n)
+    around = _primitives_around_kernels(jax.make_jaxpr(f)(*args).jaxpr)
+  assert ("pad" in around) == copies
+  assert ("slice" in around) == copies
+
+
+# What a Mosaic GPU kernel call is traced as (`plgpu.kernel`: the kernel's
+# body is a jaxpr inside these), and `pallas_call`.
+KERNEL_CALLS = {"custom_vmap_call", "mpmd_map", "core_map", "pallas_call"}
+
+
+def _primitives_around_kernels(jaxpr):
+  """The primitives of `jaxpr` and the jaxprs it calls, not looking inside
+  the kernels (`KERNEL_CALLS`)."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    if eqn.primitive.name in KERNEL_CALLS:
+      continue
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      names |= _primitives_around_kernels(sub)
+  return names

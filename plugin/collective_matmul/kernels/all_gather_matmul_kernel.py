@@ -309,8 +309,9 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           rhs_layout: str = "kn", scale=None):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
-  Call inside `shard_map` over `axis_name`. Shapes that do not fit the tiles
-  are zero-padded (rows, k, columns) and the padding sliced off.
+  Call inside `shard_map` over `axis_name`. Rows and k that do not fit the
+  tiles are zero-padded and the padding sliced off; columns are left to TMA
+  where the rows allow (`ring_skeleton.clips_columns`), else padded too.
   `diagnostics.loopback` wraps it for benchmarks (WRONG RESULTS).
 
   Args:
@@ -356,13 +357,16 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
         f"{configs.sm_count()} SMs")
   pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, lhs.dtype,
                                                 out_dtype, rows_per_batch)
-  if pad.any:
+  pad_n = 0 if ring_skeleton.clips_columns(
+      config, n, out_dtype, *(() if rhs_k_major else (rhs.dtype,))) else pad.n
+  if pad.m or pad.k:
     lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
-    rhs = jnp.pad(rhs, ((0, pad.n), (0, pad.k)) if rhs_k_major else
-                  ((0, pad.k), (0, pad.n)))
+  if pad_n or pad.k:
+    rhs = jnp.pad(rhs, ((0, pad_n), (0, pad.k)) if rhs_k_major else
+                  ((0, pad.k), (0, pad_n)))
   m_shard, k_pad = lhs.shape
-  n_pad = n + pad.n
-  out_types = [jax.ShapeDtypeStruct((axis_size * m_shard, n_pad), out_dtype)]
+  n_out = n + pad_n  # The tiles cover n + pad.n.
+  out_types = [jax.ShapeDtypeStruct((axis_size * m_shard, n_out), out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the shard used at ring step s + 1.
     out_types.append(
@@ -370,15 +374,15 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   kernel = ring_skeleton.kernel_call(
       functools.partial(_ring_kernel, axis_name=axis_name,
                         axis_size=axis_size, config=config, m_shard=m_shard,
-                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
+                        k=k_pad, n=n + pad.n, rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         rhs_k_major=rhs_k_major, scaled=scale is not None),
       out_types, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   results = kernel(lhs, rhs, *scales)
   out = results[0]
-  if pad.m or pad.n:
-    out = out.reshape(axis_size, m_shard, n_pad)[:, :m, :n]
+  if pad.m or pad_n:
+    out = out.reshape(axis_size, m_shard, n_out)[:, :m, :n]
     out = out.reshape(axis_size * m, n)
   if not return_gathered:
     return out

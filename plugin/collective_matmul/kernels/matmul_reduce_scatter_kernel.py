@@ -274,14 +274,19 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   if batch_major and pad.any:
     raise ValueError(f"rows_per_batch needs k={k} and n={n} to fit the "
                      f"tiles of {config}")
-  if pad.any:
+  # The output's last columns may be left to TMA; the receive buffer,
+  # written and read only by the kernels, keeps whole tiles.
+  pad_n = 0 if ring_skeleton.clips_columns(
+      config, n, out_dtype, *(() if w_k_major else (w.dtype,))) else pad.n
+  if pad.m or pad.k:
     x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
     x = x.reshape(axis_size * (m + pad.m), k + pad.k)
-    w = jnp.pad(w, ((0, pad.n), (0, pad.k)) if w_k_major else
-                ((0, pad.k), (0, pad.n)))
+  if pad_n or pad.k:
+    w = jnp.pad(w, ((0, pad_n), (0, pad.k)) if w_k_major else
+                ((0, pad.k), (0, pad_n)))
   m_block, k_pad = m + pad.m, k + pad.k
   n_pad = n + pad.n
-  out_types = [jax.ShapeDtypeStruct((m_block, n_pad), out_dtype)]
+  out_types = [jax.ShapeDtypeStruct((m_block, n + pad_n), out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the partial sum for ring step s + 1.
     out_types.append(
@@ -295,4 +300,4 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
       out_types, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   out = kernel(x, w, *scales)[0]
-  return out[:m, :n] if (pad.m or pad.n) else out
+  return out[:m, :n] if (pad.m or pad_n) else out

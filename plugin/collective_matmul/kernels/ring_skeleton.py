@@ -149,6 +149,19 @@ def tile_plan(config, m, k, n, dtype, out_dtype, rows_per_batch):
   return pad, rows_per_batch
 
 
+def clips_columns(config, n, *n_minor_dtypes) -> bool:
+  """Whether the last output columns, past a whole number of CTA tiles,
+  are left to TMA instead of padded: its loads read zeros past column n
+  and its stores drop what lies past it, so the operand is not padded and
+  the output not sliced (two copies of XLA's around the kernel). The
+  tiles still cover the padded width (`schedule.padding`). TMA needs each
+  row of a global array to start 16-byte aligned (`n_minor_dtypes`: those
+  of the arrays whose rows run along n), and the pipeline's allocation
+  takes one whole CTA tile of columns."""
+  return n >= config.cluster_tile_n and all(
+      n * jnp.dtype(dtype).itemsize % 16 == 0 for dtype in n_minor_dtypes)
+
+
 def ring_neighbours(axis_name, axis_size):
   """(this device's index, the index it sends to) on the ring d -> d - 1."""
   dev = lax.axis_index(axis_name)
