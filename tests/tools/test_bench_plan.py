@@ -366,7 +366,7 @@ def test_bench_kernels_plans_the_config_the_gpu_run_picks():
 
 
 def _next_call_arguments():
-  """The arguments of the command in benchmarks/gemm_core/README.md's
+  """(script, arguments) of the command in benchmarks/gemm_core/README.md's
   "Next call" section (the one fenced block there), as a shell passes
   them, less `--out`."""
   import re  # pylint: disable=g-import-not-at-top
@@ -378,22 +378,25 @@ def _next_call_arguments():
   assert section, "benchmarks/gemm_core/README.md has no 'Next call'"
   [block] = re.findall(r"```\n(.*?)```", section.group(0), re.S)
   words = shlex.split(re.sub(r"\\\n\s*", " ", block))
-  start = words.index("tools/bench_gemm_core.py") + 1
+  [script] = [w for w in words if w.startswith("tools/")]
+  start = words.index(script) + 1
   out = words.index("--out")
-  return words[start:out] + words[out + 2:]
+  return os.path.basename(script), words[start:out] + words[out + 2:]
 
 
 def test_the_next_gpu_calls_command_plans_every_arm():
-  """The documented command for the next device call (fp8 ping-pong
-  variants) parses and every arm it times traces (JAX 0.10) or lowers
-  (0.12) on CPU: a field renamed since would fail here, not on the GPU.
-  JAX 0.10 skips the e5m2 x e4m3 cores (its wgmma takes one dtype)."""
-  args = _next_call_arguments()
-  only = args[args.index("--only") + 1:]
-  run = _run("bench_gemm_core.py", "--plan", *args)
+  """The documented command for the next device call (the fp8 rings at
+  D = 2) parses and every arm it times traces (JAX 0.10) or lowers (0.12)
+  on CPU: a field renamed since would fail here, not on the GPUs."""
+  script, args = _next_call_arguments()
+  assert script == "bench_kernels.py"
+  run = _run(script, "--plan", "2", *args)
   statuses = _statuses(run)
-  shapes = args[args.index("--shapes") + 1:args.index("--variant")]
-  assert len(statuses) == len(shapes) * len(only), run.stdout
+  for flag in ("--shapes", "--rs-shapes"):
+    for shape in args[args.index(flag) + 1:]:
+      if shape.startswith("--"):
+        break
+      assert any(shape in label for label in statuses), (shape, run.stdout)
   assert not [s for s in statuses.values() if s.startswith("FAILED")], (
       run.stdout)
   assert run.returncode == 0, run.stdout + run.stderr[-2000:]
