@@ -91,6 +91,18 @@ def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
                                          REDUCE_SCATTER[name])
 
 
+@pytest.mark.parametrize("n", [264, 320, 1000, 1088])
+@pytest.mark.parametrize("d", [1, 2])
+def test_columns_off_the_tiles_lower_for_cuda(d, n):
+  """n off the CTA tiles, on and off the shared-memory tiling's width (64
+  bf16 columns): left to TMA (`ring_skeleton.clips_columns`) only where
+  TMA takes it, padded elsewhere; before that rule, 264 and 1000 failed to
+  lower ("dimension 1 must have size smaller or a multiple of its tiling
+  64")."""
+  ag, rs = kernels.AllGatherConfig(), kernels.ReduceScatterConfig()
+  assert _kernel_calls(_lower_all_gather(d, ag, 256, 1024, n)) == 1
+  assert _kernel_calls(_lower_reduce_scatter(d, rs, 256, 1024, n)) == 1
+
 
 # What `impl=auto` runs at D = 2: the seed shape, 512 rows, small problems
 # inside the boxes, llama2-7b's projections at tensor-sequence 2 (k = 5504:

@@ -529,14 +529,17 @@ def test_pingpong_keeps_one_step_in_flight_then_drains(config):
 
 
 @pytest.mark.parametrize("d", [1, 2])
-@pytest.mark.parametrize("n,copies", [(264, False), (260, True)])
+@pytest.mark.parametrize("n,copies", [(320, False), (264, True),
+                                     (260, True)])
 @pytest.mark.parametrize("pattern", ["all_gather", "reduce_scatter"])
 def test_columns_off_the_tiles_are_left_to_tma(pattern, n, copies, d):
   """m and k fit the tiles, n does not: the last column tile's loads read
   zeros and its stores drop what lies past n (TMA), so no pad and no slice
-  surround the kernel; where the rows are not 16-byte aligned (260 bf16
-  columns) they still do. The numerics: tests/kernels/test_kernel_interpret
-  and tests/gpu."""
+  surround the kernel; where n is not a whole number of the shared-memory
+  tiling's width (64 bf16 columns: 264, 260) they still do, as TMA needs
+  (`ring_skeleton.clips_columns`; tests/kernels/test_kernel_lowering
+  lowers them). The numerics: tests/kernels/test_kernel_interpret and
+  tests/gpu."""
   mesh = _mesh(d)
   m, k = 256, 128
   if pattern == "all_gather":

@@ -5,7 +5,9 @@ per-kernel config classes, the SM count and the operand dtype rule) and
 `schedule` (the ring-schedule arithmetic the kernels trace). The two
 kernels (`all_gather_matmul_kernel`, `matmul_reduce_scatter_kernel`) fill the hooks
 of one skeleton, `ring_skeleton` (tile grid, persistent loop, epilogue
-stores, launch and checks), whose tiles each run the k loop of `pipeline`;
+stores, launch and checks), whose tiles each run the k loop of `pipeline`
+and reach their peers only through `peers` (devices of a mesh axis, or
+virtual ranks in one launch on one GPU, `*_virtual`, to check the rings);
 `tracing` records their phases on device (`trace_warpgroups`) and
 `diagnostics` holds benchmark-only variants (WRONG RESULTS by design).
 Nothing here imports a module of `collective_matmul` outside `kernels/`;
@@ -22,6 +24,9 @@ import importlib
 _LAZY = {
     "all_gather_lhs_matmul": "all_gather_matmul_kernel",
     "matmul_reduce_scatter": "matmul_reduce_scatter_kernel",
+    "all_gather_lhs_matmul_virtual": "all_gather_matmul_kernel",
+    "matmul_reduce_scatter_virtual": "matmul_reduce_scatter_kernel",
+    "VirtualRanks": "peers",
     "AllGatherConfig": "configs",
     "ReduceScatterConfig": "configs",
     "TileConfig": "configs",

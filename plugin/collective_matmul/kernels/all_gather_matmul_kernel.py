@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from collective_matmul.kernels import configs
 from collective_matmul.kernels import diagnostics
+from collective_matmul.kernels import peers
 from collective_matmul.kernels import pipeline
 from collective_matmul.kernels import ring_skeleton
 from collective_matmul.kernels import schedule
@@ -42,9 +43,9 @@ from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import AllGatherConfig
 
 
-def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
-                 config: AllGatherConfig, m_shard, k, n, rows_per_batch,
-                 diagnostic_loopback, rhs_k_major=False, scaled=False):
+def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
+                 m_shard, k, n, rows_per_batch, diagnostic_loopback,
+                 rhs_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   all-gather's hooks. Who forwards the shard to the next device:
 
@@ -56,17 +57,22 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
     warpgroup waits for each k group as it loads it.
 
   `refs`: the scale (where `scaled`), the output, the receive buffer
-  (D > 1).
+  (D > 1). `ring`: the ranks' seam (`peers`), through which every peer
+  is reached.
   """
+  ring.start()
+  axis_size = ring.axis_size
   scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
-  scratch_ref = maybe_scratch[0] if maybe_scratch else None
+  lhs_local_ref, rhs_ref, out_ref = map(ring.local,
+                                        (lhs_local_ref, rhs_ref, out_ref))
+  scratch_all = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = ring_skeleton.tile_grid(config, axis_size, m_shard, k, n)
   k_iters = grid.k_iters
-  ring = axis_size > 1
-  sender_sms = config.sender_sms if ring else 0
+  multi = axis_size > 1
+  sender_sms = config.sender_sms if multi else 0
   # Whether the compute tiles forward the shard from their pipelines.
-  tiles_send = ring and not sender_sms
+  tiles_send = multi and not sender_sms
   if sender_sms:
     plan = schedule.SenderPlan(k_iters, grid.m_iters, sender_sms,
                                config.k_major_sends)
@@ -78,20 +84,20 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
   # (`eager_release`); else one step late.
   eager = config.eager_release or not tiles_send
 
-  if ring:
-    dev, send_to = ring_skeleton.ring_neighbours(axis_name, axis_size)
+  if multi:
+    dev, send_to = ring_skeleton.ring_neighbours(ring)
     if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
-    peer = ring_skeleton.peer_id(axis_name, send_to)
-    peer_scratch = plgpu.remote_ref(scratch_ref, peer)
+    scratch_ref = ring.local(scratch_all)
+    peer_scratch = ring.remote(scratch_all, send_to)
     # arrived[s, u]: the tiles (senders) whose part of unit u for step
     # s + 1 landed; a unit is a row block, or with k-major senders a k
     # group.
     units = plan.num_units if sender_sms else grid.m_iters
-    arrived = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((axis_size - 1, units)))
+    arrived = ring.semaphores((axis_size - 1, units))
   else:
     dev = 0
+    scratch_ref = None
 
   def row_block(step, m_idx):
     """Whose shard the tile multiplies, and where its rows go."""
@@ -116,13 +122,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
       def _local():
         matmul(lhs_local_ref, first_row)
 
-      if ring:
+      if multi:
         @pl.when(step > 0)
         def _received():
           wait_row_block()
           matmul(scratch_ref.at[step - 1], first_row)
 
-    if not ring:
+    if not multi:
       return ring_skeleton.TileHooks(run=run)
     k_major = sender_sms and plan.k_major
 
@@ -132,8 +138,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
       if not k_major:
         signals = plan.unit_signals(m_idx) if sender_sms else num_senders
         with tracing.phase("wait_arrival"):
-          pl.semaphore_wait(arrived.at[step - 1, m_idx], signals,
-                            decrement=False)
+          ring.wait(arrived, (step - 1, m_idx), signals,
+                    "ag_unit_wait" if sender_sms else "ag_tile_wait")
 
     def wait_k_group(kk):
       """K-major: before a later step's tile loads k block kk, the first of
@@ -141,8 +147,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
       @pl.when((step > 0) & (lax.rem(kk, sender_sms) == 0))
       def _wait():
         group = lax.div(kk, jnp.int32(sender_sms))
-        pl.semaphore_wait(arrived.at[step - 1, group],
-                          plan.unit_signals(group), decrement=False)
+        ring.wait(arrived, (step - 1, group), plan.unit_signals(group),
+                  "ag_unit_wait")
 
     if not tiles_send:
       return ring_skeleton.TileHooks(
@@ -180,13 +186,13 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
       @pl.when(sender & (kk == signal_at))
       def _announce():
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        pl.semaphore_signal(arrived.at[step, m_idx], device_id=peer)
+        ring.signal(arrived, (step, m_idx), send_to, "ag_tile_signal")
 
     return ring_skeleton.TileHooks(run=run, k_step=forward_slices)
 
   loop = functools.partial(
       ring_skeleton.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
-      row_block=row_block, begin_tile=begin_tile,
+      ring=ring, row_block=row_block, begin_tile=begin_tile,
       delay_release=0 if eager else 1,
       k_order=k_order if tiles_send else None, b_k_major=rhs_k_major,
       scale_ref=scale_ref)
@@ -194,8 +200,8 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
     loop()
     return
 
-  compute_blocks = configs.sm_count() - sender_sms
-  block = lax.axis_index("cluster_grid")
+  compute_blocks = ring.blocks() - sender_sms
+  block = ring.block()
 
   @pl.when(block < compute_blocks)
   def _compute():
@@ -204,13 +210,12 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, axis_name, axis_size,
   @pl.when(block >= compute_blocks)
   def _send():
     _forward_loop(block - compute_blocks, lhs_local_ref, scratch_ref,
-                  peer_scratch, arrived, send_to=send_to,
-                  axis_name=axis_name, axis_size=axis_size, config=config,
-                  plan=plan, wg_idx=grid.wg_idx)
+                  peer_scratch, arrived, send_to=send_to, ring=ring,
+                  config=config, plan=plan, wg_idx=grid.wg_idx)
 
 
 def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
-                  send_to, axis_name, axis_size, config: AllGatherConfig,
+                  send_to, ring, config: AllGatherConfig,
                   plan: schedule.SenderPlan, wg_idx):
   """A sender block's copy loop: its k blocks of every row block of every
   ring step, in `plan`'s order, TMA-loaded from the local shard (step 0)
@@ -224,8 +229,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
   ahead, in_flight = schedule.sender_pipeline(slots)
   lag = plan.announce_lag(in_flight, config.sender_announce_lag)
-  num_chunks = (axis_size - 1) * plan.chunks_per_step(sender)
-  peer = ring_skeleton.peer_id(axis_name, send_to)
+  num_chunks = (ring.axis_size - 1) * plan.chunks_per_step(sender)
 
   def chunk(c):
     step, i, j = plan.chunk(c, sender)
@@ -256,13 +260,14 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
           @pl.when(plan.opens_unit(sender, i, j))
           def _wait():  # Each unit of a later step once.
             unit = plan.unit(i, j)
-            pl.semaphore_wait(arrived.at[step - 1, unit],
-                              plan.unit_signals(unit), decrement=False)
+            ring.wait(arrived, (step - 1, unit), plan.unit_signals(unit),
+                      "ag_unit_wait")
           plgpu.copy_gmem_to_smem(scratch_ref.at[step - 1, rows, cols],
                                   buf.at[slot], loaded.at[slot])
 
       def announce(step, i, j):
-        pl.semaphore_signal(arrived.at[step, plan.unit(i, j)], device_id=peer)
+        ring.signal(arrived, (step, plan.unit(i, j)), send_to,
+                    "ag_unit_signal")
 
       for c in range(ahead):  # The prologue: the first loads.
         pl.when(c < num_chunks)(functools.partial(load, c))
@@ -341,14 +346,67 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
     the flattened `[b, D * s, n]`; with `return_gathered` a pair.
   """
+  shard = lhs.shape  # `[m, k]` (`_launch` checks it).
+  ring = peers.DeviceRing(axis_name, lax.axis_size(axis_name))
+  out, lhs, received = _launch(lhs, rhs, ring, config=config,
+                               out_dtype=out_dtype,
+                               rows_per_batch=rows_per_batch,
+                               rhs_layout=rhs_layout, scale=scale)
+  if not return_gathered:
+    return out
+  # Slot s of the scratch holds shard (d + s + 1) % D: rotate into order.
+  held = lhs[None] if ring.axis_size == 1 else jnp.concatenate(
+      [lhs[None], received], axis=0)
+  if ring.axis_size > 1:
+    held = jnp.roll(held, lax.axis_index(axis_name), axis=0)
+  return out, held[:, :shard[0], :shard[1]]
+
+
+def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
+                                  config: AllGatherConfig, out_dtype=None,
+                                  rows_per_batch: int | None = None,
+                                  rhs_layout: str = "kn", scale=None):
+  """The all-gather ring as `ranks.axis_size` virtual ranks in one launch on
+  one GPU (`peers.VirtualRanks`): the product's kernel and schedule, each
+  peer a slice of stacked arrays. For checking the ring on one GPU; the
+  product calls `all_gather_lhs_matmul` inside `shard_map`.
+
+  Args:
+    lhs: `[D, m, k]`, rank r's rows at `lhs[r]`.
+    rhs: `[D, k, n]` (or `[D, n, k]` with `rhs_layout="nk"`), rank r's
+      columns.
+    ranks, config, out_dtype, rows_per_batch, rhs_layout, scale: as
+      `all_gather_lhs_matmul` (the scale is shared by every rank).
+
+  Returns:
+    `[D, D * m, n]`: rank r's output at `[r]`.
+  """
+  if not isinstance(ranks, peers.VirtualRanks):
+    raise TypeError(f"ranks={ranks!r} must be a peers.VirtualRanks")
+  if lhs.ndim != 3 or rhs.ndim != 3 or {lhs.shape[0], rhs.shape[0]} != {
+      ranks.axis_size}:
+    raise ValueError(f"expected lhs and rhs stacked over {ranks.axis_size} "
+                     f"ranks, got {lhs.shape} and {rhs.shape}")
+  return _launch(lhs, rhs, ranks, config=config, out_dtype=out_dtype,
+                 rows_per_batch=rows_per_batch, rhs_layout=rhs_layout,
+                 scale=scale)[0]
+
+
+def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
+            rows_per_batch, rhs_layout, scale):
+  """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
+  ranks every array has a leading rank axis); returns (the output, the
+  padded lhs, the receive buffer or None)."""
+  lead = lhs.shape[:1] if ring.stacked else ()
+  keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
   rhs_k_major = ring_skeleton.rhs_k_major(rhs_layout)
   ring_skeleton.check_scale(scale)
-  out_dtype = ring_skeleton.check_operands(lhs, rhs, out_dtype,
-                                           k_major=rhs_k_major,
-                                           tile_k=config.tile_k)
-  m, k = lhs.shape
-  n = rhs.shape[0] if rhs_k_major else rhs.shape[1]
-  axis_size = lax.axis_size(axis_name)
+  out_dtype = ring_skeleton.check_operands(
+      ring_skeleton.per_rank(lhs, ring), ring_skeleton.per_rank(rhs, ring),
+      out_dtype, k_major=rhs_k_major, tile_k=config.tile_k)
+  m, k = lhs.shape[-2:]
+  n = rhs.shape[-2] if rhs_k_major else rhs.shape[-1]
+  axis_size = ring.axis_size
   ring_skeleton.check_config(config, AllGatherConfig)
   ring_skeleton.check_axis(config, axis_size)
   if config.sender_sms >= configs.sm_count():
@@ -360,35 +418,29 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   pad_n = 0 if ring_skeleton.clips_columns(
       config, n, out_dtype, *(() if rhs_k_major else (rhs.dtype,))) else pad.n
   if pad.m or pad.k:
-    lhs = jnp.pad(lhs, ((0, pad.m), (0, pad.k)))
+    lhs = jnp.pad(lhs, keep + ((0, pad.m), (0, pad.k)))
   if pad_n or pad.k:
-    rhs = jnp.pad(rhs, ((0, pad_n), (0, pad.k)) if rhs_k_major else
-                  ((0, pad.k), (0, pad_n)))
-  m_shard, k_pad = lhs.shape
+    rhs = jnp.pad(rhs, keep + (((0, pad_n), (0, pad.k)) if rhs_k_major else
+                               ((0, pad.k), (0, pad_n))))
+  m_shard, k_pad = lhs.shape[-2:]
   n_out = n + pad_n  # The tiles cover n + pad.n.
-  out_types = [jax.ShapeDtypeStruct((axis_size * m_shard, n_out), out_dtype)]
+  out_types = [jax.ShapeDtypeStruct((*lead, axis_size * m_shard, n_out),
+                                    out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the shard used at ring step s + 1.
-    out_types.append(
-        jax.ShapeDtypeStruct((axis_size - 1, m_shard, k_pad), lhs.dtype))
+    out_types.append(jax.ShapeDtypeStruct(
+        (*lead, axis_size - 1, m_shard, k_pad), lhs.dtype))
   kernel = ring_skeleton.kernel_call(
-      functools.partial(_ring_kernel, axis_name=axis_name,
-                        axis_size=axis_size, config=config, m_shard=m_shard,
-                        k=k_pad, n=n + pad.n, rows_per_batch=rows_per_batch,
+      functools.partial(_ring_kernel, ring=ring, config=config,
+                        m_shard=m_shard, k=k_pad, n=n + pad.n,
+                        rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         rhs_k_major=rhs_k_major, scaled=scale is not None),
-      out_types, cluster_size=config.cluster_size)
+      out_types, ring, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   results = kernel(lhs, rhs, *scales)
   out = results[0]
   if pad.m or pad_n:
-    out = out.reshape(axis_size, m_shard, n_out)[:, :m, :n]
-    out = out.reshape(axis_size * m, n)
-  if not return_gathered:
-    return out
-  # Slot s of the scratch holds shard (d + s + 1) % D: rotate into order.
-  held = lhs[None] if axis_size == 1 else jnp.concatenate(
-      [lhs[None], results[1]], axis=0)
-  if axis_size > 1:
-    held = jnp.roll(held, lax.axis_index(axis_name), axis=0)
-  return out, held[:, :m, :k]
+    out = out.reshape(*lead, axis_size, m_shard, n_out)[..., :m, :n]
+    out = out.reshape(*lead, axis_size * m, n)
+  return out, lhs, results[1] if axis_size > 1 else None

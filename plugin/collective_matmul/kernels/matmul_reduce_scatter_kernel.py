@@ -43,49 +43,54 @@ import jax.numpy as jnp
 
 from collective_matmul.kernels import configs
 from collective_matmul.kernels import diagnostics
+from collective_matmul.kernels import peers
 from collective_matmul.kernels import ring_skeleton
 from collective_matmul.kernels import schedule
 from collective_matmul.kernels import tracing
 from collective_matmul.kernels.configs import ReduceScatterConfig
 
 
-def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
-                 config: ReduceScatterConfig, m_block, k, n, rows_per_batch,
-                 diagnostic_loopback, w_k_major=False, scaled=False):
+def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
+                 m_block, k, n, rows_per_batch, diagnostic_loopback,
+                 w_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   reduce-scatter's hooks: a tile's k loop sends (and announces) the previous
   tile's partial sum, and its epilogue adds the partial sum it received and
   sends the sum on, or stores it once complete. `refs`: the scale (where
-  `scaled`), the output, the receive buffer (D > 1)."""
+  `scaled`), the output, the receive buffer (D > 1). `ring`: the ranks'
+  seam (`peers`), through which every peer is reached."""
+  ring.start()
+  axis_size = ring.axis_size
   scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
-  scratch_ref = maybe_scratch[0] if maybe_scratch else None
+  x_ref, w_ref, out_ref = map(ring.local, (x_ref, w_ref, out_ref))
+  scratch_all = maybe_scratch[0] if maybe_scratch else None
   out_dtype = out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   grid = ring_skeleton.tile_grid(config, axis_size, m_block, k, n)
   k_iters = grid.k_iters
   num_epi = len(grid.epi_tiles)
-  ring = axis_size > 1
+  multi = axis_size > 1
   wg_idx = grid.wg_idx
-  if ring:
-    dev = lax.axis_index(axis_name)
+  if multi:
+    dev = ring.rank()
     send_to = lax.rem(dev + 1, axis_size)
     if diagnostic_loopback:  # Diagnostics only: wrong results.
       send_to = dev
-    peer_scratch = plgpu.remote_ref(scratch_ref,
-                                    ring_skeleton.peer_id(axis_name, send_to))
+    scratch_ref = ring.local(scratch_all)
+    peer_scratch = ring.remote(scratch_all, send_to)
     # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
     # sum reached this device's scratch slot s.
-    landed = pl.get_global(plgpu.SemaphoreType.REGULAR(
-        (axis_size - 1, grid.m_iters, grid.n_iters)))
+    landed = ring.semaphores((axis_size - 1, grid.m_iters, grid.n_iters))
   else:
     dev = 0
+    scratch_ref = None
 
   # With the whole warpgroup tile in the two epilogue slots, a tile's
   # partial sum leaves during the next tile's k loop, one row piece
   # every `send_gap` steps (paced like the all-gather kernel's sends),
   # not all at once from the epilogue, where every SM would store at
   # the same moment and the next tile's loads would wait behind it.
-  defer = ring and config.spread_sends and num_epi <= 2
+  defer = multi and config.spread_sends and num_epi <= 2
   # (epilogue slot, row piece, pipeline step) of each deferred send.
   pieces = config.send_pieces
   piece_m = config.epi_tile_m // pieces
@@ -96,13 +101,12 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
   # k loop once its stores had `send_gap` steps to land, else after it.
   announce_step = (schedule.partial_announce_step(
       k_iters, len(send_plan), config.send_gap, defer)
-                   if ring and config.early_announce else None)
+                   if multi and config.early_announce else None)
 
   def announce(step, m_idx, n_idx):
     """Signals the peer once this warpgroup's stores of a tile landed."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-    pl.semaphore_signal(landed.at[step, m_idx, n_idx],
-                        device_id=ring_skeleton.peer_id(axis_name, send_to))
+    ring.signal(landed, (step, m_idx, n_idx), send_to, "rs_partial_signal")
 
   def row_block(step, m_idx):
     """Whose partial sum the tile works on; it is written to the tile's
@@ -117,9 +121,9 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
     received = tile.scratch["received"]
     loop_info = tile.loop_info
     is_last = loop_info.local_index == loop_info.num_local_steps - 1
-    if ring:
+    if multi:
       prev_step, prev_m, prev_n = grid.coordinates(
-          loop_info.index[0] - lax.axis_size("cluster_grid"))
+          loop_info.index[0] - ring.blocks())
       # The previous tile (this block's) left a partial sum to send.
       prev_sends = (loop_info.local_index > 0) & (prev_step < axis_size - 1)
 
@@ -141,7 +145,7 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
     partial_sum = ring_skeleton.Received(load=load_partial, wait=wait_partial)
 
     def epilogue(acc_ref):
-      if ring and announce_step is None:
+      if multi and announce_step is None:
         # The previous tile's stores to the peer had this tile's whole
         # k loop to land: announce them only now, so that waiting for
         # NVLink never stalls the tensor cores.
@@ -150,14 +154,14 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
           announce(prev_step, prev_m, prev_n)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if ring:
+      if multi:
         # The received partial sum starts loading while the last wgmma
         # drains.
         @pl.when(step > 0)
         def _receive_partial():
           with tracing.phase("wait_partial_sum"):
-            pl.semaphore_wait(landed.at[step - 1, m_idx, n_idx], 2,
-                              decrement=False)
+            ring.wait(landed, (step - 1, m_idx, n_idx), 2,
+                      "rs_partial_wait")
           for i in range(min(2, num_epi)):
             load_partial(i)
 
@@ -172,7 +176,7 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
         else:
           send()
 
-      if not ring:
+      if not multi:
         tile.store_accumulator(acc, tile.to_output)
         return
 
@@ -216,7 +220,7 @@ def _ring_kernel(x_ref, w_ref, *refs, axis_name, axis_size,
                                    epilogue=epilogue)
 
   ring_skeleton.ring_tile_loop(
-      grid, x_ref, w_ref, out_ref, row_block=row_block,
+      grid, x_ref, w_ref, out_ref, ring=ring, row_block=row_block,
       begin_tile=begin_tile, delay_release=0,
       scratch=dict(received=plgpu.Barrier(num_barriers=4)),
       b_k_major=w_k_major, scale_ref=scale_ref)
@@ -254,17 +258,59 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
   """
+  return _launch(x, w, peers.DeviceRing(axis_name, lax.axis_size(axis_name)),
+                 config=config, out_dtype=out_dtype,
+                 rows_per_batch=rows_per_batch, w_layout=w_layout,
+                 scale=scale, axis_label=repr(axis_name))
+
+
+def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
+                                  config: ReduceScatterConfig,
+                                  out_dtype=None,
+                                  rows_per_batch: int | None = None,
+                                  w_layout: str = "kn", scale=None):
+  """The reduce-scatter ring as `ranks.axis_size` virtual ranks in one launch
+  on one GPU (`peers.VirtualRanks`): the product's kernel and schedule,
+  each peer a slice of stacked arrays. For checking the ring on one GPU;
+  the product calls `matmul_reduce_scatter` inside `shard_map`.
+
+  Args:
+    x: `[D, D * m, k]`, rank r's slice of the contraction at `x[r]`.
+    w: `[D, k, n]` (or `[D, n, k]` with `w_layout="nk"`).
+    ranks, config, out_dtype, rows_per_batch, w_layout, scale: as
+      `matmul_reduce_scatter` (the scale is shared by every rank).
+
+  Returns:
+    `[D, m, n]`: rank r's row block of the sum at `[r]`.
+  """
+  if not isinstance(ranks, peers.VirtualRanks):
+    raise TypeError(f"ranks={ranks!r} must be a peers.VirtualRanks")
+  if x.ndim != 3 or w.ndim != 3 or {x.shape[0], w.shape[0]} != {
+      ranks.axis_size}:
+    raise ValueError(f"expected x and w stacked over {ranks.axis_size} "
+                     f"ranks, got {x.shape} and {w.shape}")
+  return _launch(x, w, ranks, config=config, out_dtype=out_dtype,
+                 rows_per_batch=rows_per_batch, w_layout=w_layout,
+                 scale=scale, axis_label="the virtual ranks")
+
+
+def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
+            rows_per_batch, w_layout, scale, axis_label):
+  """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
+  ranks every array has a leading rank axis); returns the output."""
+  lead = x.shape[:1] if ring.stacked else ()
+  keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
   w_k_major = ring_skeleton.rhs_k_major(w_layout, "w")
   ring_skeleton.check_scale(scale)
-  out_dtype = ring_skeleton.check_operands(x, w, out_dtype, names=("x", "w"),
-                                           k_major=w_k_major,
-                                           tile_k=config.tile_k)
-  rows, k = x.shape
-  n = w.shape[0] if w_k_major else w.shape[1]
-  axis_size = lax.axis_size(axis_name)
+  out_dtype = ring_skeleton.check_operands(
+      ring_skeleton.per_rank(x, ring), ring_skeleton.per_rank(w, ring),
+      out_dtype, names=("x", "w"), k_major=w_k_major, tile_k=config.tile_k)
+  rows, k = x.shape[-2:]
+  n = w.shape[-2] if w_k_major else w.shape[-1]
+  axis_size = ring.axis_size
   if rows % axis_size:
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
-                     f"devices of {axis_name!r}")
+                     f"devices of {axis_label}")
   m = rows // axis_size
   ring_skeleton.check_config(config, ReduceScatterConfig)
   ring_skeleton.check_axis(config, axis_size)
@@ -279,25 +325,26 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   pad_n = 0 if ring_skeleton.clips_columns(
       config, n, out_dtype, *(() if w_k_major else (w.dtype,))) else pad.n
   if pad.m or pad.k:
-    x = jnp.pad(x.reshape(axis_size, m, k), ((0, 0), (0, pad.m), (0, pad.k)))
-    x = x.reshape(axis_size * (m + pad.m), k + pad.k)
+    x = jnp.pad(x.reshape(*lead, axis_size, m, k),
+                keep + ((0, 0), (0, pad.m), (0, pad.k)))
+    x = x.reshape(*lead, axis_size * (m + pad.m), k + pad.k)
   if pad_n or pad.k:
-    w = jnp.pad(w, ((0, pad_n), (0, pad.k)) if w_k_major else
-                ((0, pad.k), (0, pad_n)))
+    w = jnp.pad(w, keep + (((0, pad_n), (0, pad.k)) if w_k_major else
+                           ((0, pad.k), (0, pad_n))))
   m_block, k_pad = m + pad.m, k + pad.k
   n_pad = n + pad.n
-  out_types = [jax.ShapeDtypeStruct((m_block, n + pad_n), out_dtype)]
+  out_types = [jax.ShapeDtypeStruct((*lead, m_block, n + pad_n), out_dtype)]
   if axis_size > 1:
     # Receive buffer: slot s holds the partial sum for ring step s + 1.
-    out_types.append(
-        jax.ShapeDtypeStruct((axis_size - 1, m_block, n_pad), out_dtype))
+    out_types.append(jax.ShapeDtypeStruct(
+        (*lead, axis_size - 1, m_block, n_pad), out_dtype))
   kernel = ring_skeleton.kernel_call(
-      functools.partial(_ring_kernel, axis_name=axis_name,
-                        axis_size=axis_size, config=config, m_block=m_block,
-                        k=k_pad, n=n_pad, rows_per_batch=rows_per_batch,
+      functools.partial(_ring_kernel, ring=ring, config=config,
+                        m_block=m_block, k=k_pad, n=n_pad,
+                        rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         w_k_major=w_k_major, scaled=scale is not None),
-      out_types, cluster_size=config.cluster_size)
+      out_types, ring, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   out = kernel(x, w, *scales)[0]
-  return out[:m, :n] if (pad.m or pad_n) else out
+  return out[..., :m, :n] if (pad.m or pad_n) else out

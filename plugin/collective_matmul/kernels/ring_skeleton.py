@@ -26,24 +26,17 @@ from collective_matmul.kernels.pipeline import matmul_pipeline
 from collective_matmul.kernels.pipeline import swizzled
 
 
-def peer_id(axis_name, index):
-  """Device id of `index` along `axis_name`, other mesh coordinates kept."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if len(getattr(mesh, "axis_names", ())) > 1:
-    return {axis_name: index}
-  return index
-
-
-def kernel_call(body, out_types, cluster_size: int = 1):
+def kernel_call(body, out_types, ring, cluster_size: int = 1):
   """A persistent kernel: one block per SM, 3 warpgroups (traced under
   `tracing.trace_warpgroups`), in clusters of `cluster_size` blocks
-  (`TileConfig.cluster_size`; the grid then counts clusters)."""
+  (`TileConfig.cluster_size`; the grid then counts clusters); with virtual
+  ranks (`peers.VirtualRanks`) the blocks of their shares."""
   params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                 **tracing.profiler_params())
   return plgpu.kernel(
       body,
       out_type=out_types,
-      grid=(configs.sm_count() // cluster_size,),
+      grid=(ring.launch_blocks(cluster_size, configs.sm_count()),),
       grid_names=("cluster_grid",),
       cluster=(cluster_size,),
       cluster_names=("cluster",),
@@ -108,6 +101,12 @@ def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs"), *,
   return jnp.dtype(out_dtype or lhs.dtype)
 
 
+def per_rank(x, ring):
+  """`x` as one rank sees it: without the leading rank axis of virtual
+  ranks' stacked arrays (`peers.VirtualRanks`)."""
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if ring.stacked else x
+
+
 def check_config(config, config_class):
   """Checks that a kernel got its own config class."""
   if not isinstance(config, config_class):
@@ -154,18 +153,24 @@ def clips_columns(config, n, *n_minor_dtypes) -> bool:
   are left to TMA instead of padded: its loads read zeros past column n
   and its stores drop what lies past it, so the operand is not padded and
   the output not sliced (two copies of XLA's around the kernel). The
-  tiles still cover the padded width (`schedule.padding`). TMA needs each
-  row of a global array to start 16-byte aligned (`n_minor_dtypes`: those
-  of the arrays whose rows run along n), and the pipeline's allocation
-  takes one whole CTA tile of columns."""
+  tiles still cover the padded width (`schedule.padding`). Mosaic GPU's
+  TMA takes a global array whose minor dimension is a whole number of
+  its shared-memory tiling (at most a 128-byte swizzle's width:
+  `n_minor_dtypes`, those of the arrays whose rows run along n), and the
+  pipeline's allocation takes one whole CTA tile of columns."""
   return n >= config.cluster_tile_n and all(
-      n * jnp.dtype(dtype).itemsize % 16 == 0 for dtype in n_minor_dtypes)
+      n % (_MAX_SWIZZLE_BYTES // jnp.dtype(dtype).itemsize) == 0
+      for dtype in n_minor_dtypes)
 
 
-def ring_neighbours(axis_name, axis_size):
-  """(this device's index, the index it sends to) on the ring d -> d - 1."""
-  dev = lax.axis_index(axis_name)
-  return dev, lax.rem(dev + axis_size - 1, axis_size)
+# The widest shared-memory swizzle (`pipeline.swizzled`'s), in bytes.
+_MAX_SWIZZLE_BYTES = 128
+
+
+def ring_neighbours(ring):
+  """(this rank, the rank it sends to) on the ring d -> d - 1."""
+  dev = ring.rank()
+  return dev, lax.rem(dev + ring.axis_size - 1, ring.axis_size)
 
 
 # ------------------------------------------- the skeleton both kernels run
@@ -353,11 +358,10 @@ class TileHooks:
   before_load: Callable[[jax.Array], None] | None = None
 
 
-def persistent_loop(total: int, num_blocks: int):
+def persistent_loop(total: int, num_blocks, block):
   """`plgpu.nd_loop` over `total` tiles, interleaved over the first
-  `num_blocks` blocks of the grid only (a block at or past `num_blocks`
-  runs no iteration)."""
-  block = lax.axis_index("cluster_grid")
+  `num_blocks` blocks (`block`: this one's index among them; a block at or
+  past `num_blocks` runs no iteration)."""
   blocks = jnp.int32(num_blocks)
   upper = jnp.where(
       block < blocks,
@@ -375,7 +379,7 @@ def persistent_loop(total: int, num_blocks: int):
   return decorator
 
 
-def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
+def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
                    begin_tile, delay_release, k_order=None, scratch=None,
                    num_blocks: int | None = None, b_k_major: bool = False,
                    scale_ref=None):
@@ -386,6 +390,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
 
   Args:
     grid: `tile_grid(...)`.
+    ring: the ranks' seam (`peers`): this rank's blocks.
     a_ref, b_ref, out_ref: A (rows chosen per tile by the hooks), B (whose
       CTA-tile columns every tile multiplies; `[k, n]`, or `[n, k]` with
       `b_k_major`) and the output. The operands' dtypes are the wgmma's:
@@ -457,8 +462,12 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, row_block,
     # Read once per block; every epilogue multiplies by it.
     scale = None if scale_ref is None else scale_ref[0]
     total = grid.axis_size * math.prod(grid.cluster_iters)
-    loop = (plgpu.nd_loop((total,), collective_axes="cluster_grid")
-            if num_blocks is None else persistent_loop(total, num_blocks))
+    if num_blocks is None and ring.whole_grid():
+      loop = plgpu.nd_loop((total,), collective_axes="cluster_grid")
+    else:
+      loop = persistent_loop(
+          total, ring.blocks() if num_blocks is None else num_blocks,
+          ring.block())
 
     @loop
     def _tile_loop(loop_info: plgpu.NDLoopInfo):

@@ -1,0 +1,115 @@
+"""tools/rings_one_gpu.py without a GPU: its cases cover what the rings'
+check must (D = 2, 4, 8; both kernels; bf16 and both fp8 pairs; skew;
+a dropped wait and a dropped signal per kernel), their programs trace
+(and lower for CUDA on JAX >= 0.12), the runner reports a hang or a dead
+worker as a failure instead of hanging, and the kernels reach their peers
+only through `kernels.peers`."""
+import os
+import pathlib
+import re
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
+                                "tools"))
+import rings_one_gpu as rings  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from collective_matmul.kernels import peers  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+KERNELS = pathlib.Path(__file__).parents[2] / "plugin/collective_matmul/kernels"
+
+
+def test_the_cases_cover_the_rings():
+  cases = rings.cases()
+  assert len({c.name for c in cases}) == len(cases)
+  for kind in ("all_gather", "reduce_scatter"):
+    mine = [c for c in cases if c.kind == kind]
+    assert {c.d for c in mine} == {2, 4, 8}
+    assert {c.dtypes for c in mine} == {"bf16", "fp8"}
+    assert any(c.shares and len(set(c.shares)) > 1 for c in mine)
+    assert any(any(c.delay_ns) and not c.expect_fail for c in mine)
+    dropped = {site for c in mine if c.expect_fail for site in c.drop}
+    assert any("wait" in s for s in dropped), dropped
+    assert any("signal" in s for s in dropped), dropped
+    assert any(c.config.chain_tiles for c in mine)
+    assert any(c.origin.startswith("selection") for c in mine)
+    assert any(c.m % 128 or c.k % 128 for c in mine)  # Off the tiles.
+  senders = [c.config.sender_sms for c in cases if c.kind == "all_gather"]
+  assert 0 in senders and any(senders)
+  for c in cases:
+    assert sum(c.ranks().shares) <= rings.SM_COUNT
+
+
+def test_virtual_ranks_refuse_what_cannot_run():
+  with pytest.raises(ValueError, match="one positive block count per rank"):
+    peers.VirtualRanks(2, (66,))
+  with pytest.raises(ValueError, match=">= 2 ranks"):
+    peers.VirtualRanks(1, (66,))
+  with pytest.raises(ValueError, match="not among"):
+    peers.VirtualRanks(2, (66, 66), drop=frozenset(["no_such_site"]))
+  with pytest.raises(ValueError, match="exceed the 132 SMs"):
+    peers.VirtualRanks(2, (100, 100)).launch_blocks(1, 132)
+  with pytest.raises(ValueError, match="no block clusters"):
+    peers.VirtualRanks.even(2, 132).launch_blocks(2, 132)
+
+
+@pytest.mark.parametrize("only", [["/default/", "/mutation/", "/skew/"],
+                                  ["/picked/d8/", "/off_tiles/d2/"]])
+def test_the_cases_trace_and_lower_without_a_gpu(only):
+  selected = [c for c in rings.cases()
+              if any(s in c.name for s in only)]
+  assert selected
+  assert rings.plan(selected, lower=_VERSION >= (0, 12)) == []
+
+
+def _fake_worker(body):
+  """A worker command that answers one case as `body` (Python) says."""
+  return [sys.executable, "-c",
+          "import sys, time, json\nfor line in sys.stdin:\n" + body]
+
+
+def test_the_runner_reports_a_hang_and_a_dead_worker():
+  ok = rings.Runner(hang_s=1, worker_cmd=_fake_worker(
+      "  print('@@ running', flush=True)\n"
+      "  print('@@ ' + json.dumps(dict(name=line.strip(), status='ok')),"
+      " flush=True)\n"))
+  assert ok.run("a")["status"] == "ok"
+  assert ok.run("b")["status"] == "ok"  # The same worker, a second case.
+  ok.close()
+  hung = rings.Runner(hang_s=1, worker_cmd=_fake_worker(
+      "  print('@@ running', flush=True)\n  time.sleep(600)\n"))
+  result = hung.run("a")
+  assert result["status"] == "hang"
+  assert "1 s into running" in result["detail"]
+  assert hung.proc is None  # Killed; the next case starts a new worker.
+  dead = rings.Runner(hang_s=1, worker_cmd=_fake_worker("  sys.exit(3)\n"))
+  assert dead.run("a")["status"] == "died"
+
+
+def test_a_mutation_passes_only_when_caught():
+  mutation = next(c for c in rings.cases(quick=True) if c.expect_fail)
+  normal = next(c for c in rings.cases(quick=True) if not c.expect_fail)
+  assert rings.verdict(mutation, dict(status="hang"))
+  assert rings.verdict(mutation, dict(status="wrong"))
+  assert not rings.verdict(mutation, dict(status="ok"))
+  assert not rings.verdict(mutation, dict(status="error"))
+  assert rings.verdict(normal, dict(status="ok"))
+  assert not rings.verdict(normal, dict(status="hang"))
+
+
+def test_the_kernels_reach_peers_only_through_the_seam():
+  """Every remote ref, semaphore and device index of the ring kernels
+  goes through `peers` (so virtual ranks run the product's schedule)."""
+  pattern = re.compile(r"remote_ref|semaphore_signal|semaphore_wait|"
+                       r"get_global|axis_index\(axis_name")
+  for path in KERNELS.glob("*.py"):
+    if path.name == "peers.py":
+      continue
+    code = path.read_text()
+    if path.name == "all_gather_matmul_kernel.py":
+      # Outside the kernel: `return_gathered` rotates the received shards.
+      code = code.replace("jnp.roll(held, lax.axis_index(axis_name)", "")
+    assert not pattern.search(code), (path.name, pattern.search(code))

@@ -1,0 +1,509 @@
+"""The rings (D >= 2) checked on one GPU, as D virtual ranks in one launch.
+
+Each case runs one ring kernel (`kernels.*_virtual`, `peers.VirtualRanks`:
+the product's kernel and schedule, each peer a slice of stacked arrays, the
+SMs split into D shares) on random operands, with the output memory
+poisoned (NaN) first, and compares every rank's result with the f32
+product of the same values. Cases run in a worker process; a case that
+does not finish within `--hang-s` of its launch is a hang, reported as a
+failure, and the worker is replaced (a ring that takes two paths hangs
+instead of failing).
+
+The cases (`cases()`): every config `selection` picks for the ring at
+D = 2, 4 and 8 over the shapes of `tools/bench_gemm_core.py` (rows divided
+by D), in bf16, e4m3 x e4m3 (all-gather) and e5m2 x e4m3 (reduce-scatter)
+with a scale; each schedule of the kernel tests' configs (chained tiles,
+dedicated senders on and off, k-major sends, 64 x 256 warpgroup tiles,
+one-slot epilogues) at D = 2 and 4; shapes off the tiles in m, n and k;
+skewed ranks (unequal SM shares, one rank held back); and mutations that
+drop one wait or one signal of each kernel, which must make the case fail.
+
+  python tools/rings_one_gpu.py --out rings.json          # on a Hopper GPU
+  python tools/rings_one_gpu.py --plan [--quick]          # CPU: trace, lower
+  python tools/rings_one_gpu.py --list
+
+`--plan` traces every case's program (and lowers it for CUDA on
+JAX >= 0.12) without a GPU; CI runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+import tool_setup
+
+# bench_gemm_core's whole GEMMs (rows x k x n), kept here so that this
+# tool's worker does not import the benchmark.
+GEMM_SHAPES = ["16384/4096/2048", "16384/4096/6144", "16384/4096/5504",
+               "16384/2048/4096", "16384/5504/4096", "2048/4096/4096"]
+RANKS = (2, 4, 8)
+SCALE = 0.75 * 1.25  # bench_gemm_core's fp8 scales' product.
+# Rel. error bound per result: bf16 output roundings (and, for the
+# reduce-scatter, one per hop of the partial sums; fp8 adds the MMA's
+# reduced accumulation precision).
+TOLERANCE = 1e-2
+SM_COUNT = 132  # H100 and H200 SXM.
+DEFAULT_KIND = "NVIDIA H200"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One ring run on virtual ranks.
+
+  kind: "all_gather" or "reduce_scatter"; m, k, n: per rank (the
+  all-gather's shard rows; the reduce-scatter's rows after the scatter
+  and local contraction); dtypes: "bf16" or "fp8"; shares, delay_ns,
+  drop: `peers.VirtualRanks`' (shares () for D equal ones); expect_fail:
+  a mutation, which the check must catch (wrong result or hang).
+  """
+
+  name: str
+  kind: str
+  d: int
+  m: int
+  k: int
+  n: int
+  dtypes: str
+  config: object
+  shares: tuple = ()
+  delay_ns: tuple = ()
+  drop: frozenset = frozenset()
+  expect_fail: bool = False
+  origin: str = ""
+
+  def ranks(self):
+    from collective_matmul.kernels import peers  # pylint: disable=g-import-not-at-top
+    shares = self.shares or (SM_COUNT // self.d,) * self.d
+    return peers.VirtualRanks(self.d, tuple(shares), tuple(self.delay_ns),
+                              frozenset(self.drop))
+
+
+def _facts(device_kind):
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  return selection.DeviceFacts(platform="gpu", device_kind=device_kind,
+                               num_cores=SM_COUNT, local_device_count=8)
+
+
+def _picked(kind, m, k, n, d, dtypes, facts):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  from collective_matmul.enums import Collective  # pylint: disable=g-import-not-at-top
+  if dtypes == "bf16":
+    lhs, rhs, out = jnp.bfloat16, None, None
+  elif kind == "all_gather":
+    lhs, rhs, out = jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.bfloat16
+  else:
+    lhs, rhs, out = jnp.float8_e5m2, jnp.float8_e4m3fn, jnp.bfloat16
+  problem = selection.Problem(m, k, n, lhs, d, out, rhs)
+  collective = (Collective.ALL_GATHER if kind == "all_gather"
+                else Collective.REDUCE_SCATTER)
+  return selection.config_for(collective, problem, facts)
+
+
+def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
+  """Every case, most telling first (see the module doc); `quick`: one
+  per kind of check."""
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  from cm_test_utils import kernel_configs  # pylint: disable=g-import-not-at-top
+  facts = _facts(device_kind)
+  out: list[Case] = []
+  seen = set()
+
+  def add(case):
+    if case.name not in seen:
+      seen.add(case.name)
+      out.append(case)
+
+  ag, rs = kernels.AllGatherConfig(), kernels.ReduceScatterConfig()
+  # 1. The default schedules, then mutations and skew: the harness first
+  # shows that it can fail.
+  base = dict(m=1024, k=2048, n=1024)
+  for kind, config in (("all_gather", ag), ("reduce_scatter", rs)):
+    add(Case(f"{kind}/default/d2", kind, 2, dtypes="bf16", config=config,
+             origin="default", **base))
+  drops = {"all_gather": [("ag_tile_wait", "wait"), ("ag_tile_signal", "signal")],
+           "reduce_scatter": [("rs_partial_wait", "wait"),
+                              ("rs_partial_signal", "signal")]}
+  for kind, config in (("all_gather", ag), ("reduce_scatter", rs)):
+    for site, what in drops[kind]:
+      # The receiving side runs ahead of its sender (held back 2 ms), so a
+      # dropped wait reads a slot that has not landed.
+      delay = (0, 2_000_000) if kind == "all_gather" else (2_000_000, 0)
+      add(Case(f"{kind}/mutation/drop_{what}", kind, 2, dtypes="bf16",
+               config=config, delay_ns=delay, drop=frozenset([site]),
+               expect_fail=True, origin="mutation", **base))
+  for kind, config in (("all_gather", ag), ("reduce_scatter", rs)):
+    add(Case(f"{kind}/skew/d2_shares_50_82_delay", kind, 2, dtypes="bf16",
+             config=config, shares=(50, 82), delay_ns=(1_000_000, 0),
+             origin="skew", **base))
+    add(Case(f"{kind}/skew/d4_shares_20_40_33_33", kind, 4, dtypes="bf16",
+             config=config, shares=(20, 40, 33, 33),
+             delay_ns=(0, 0, 500_000, 0), origin="skew", **base))
+  if quick:
+    return out
+  # 2. What selection picks at D = 2, 4, 8 over the benchmark's shapes.
+  for dtypes in ("bf16", "fp8"):
+    for d in RANKS:
+      for shape in GEMM_SHAPES:
+        rows, k, n = (int(x) for x in shape.split("/"))
+        m = rows // d
+        for kind in ("all_gather", "reduce_scatter"):
+          config, source = _picked(kind, m, k, n, d, dtypes, facts)
+          key = (kind, d, dtypes, config)
+          if key in seen:
+            continue
+          seen.add(key)
+          add(Case(f"{kind}/picked/d{d}/{dtypes}/{m}x{k}x{n}", kind, d, m, k,
+                   n, dtypes, config, origin=f"selection ({source})"))
+  # 3. Every schedule of the kernel tests' configs, at D = 2 and 4.
+  for kind in ("all_gather", "reduce_scatter"):
+    for label, config in kernel_configs(kind).items():
+      if configs.axis_reason(config, 2):
+        continue  # Clusters and ping-pong: one-device axis only.
+      for d in (2, 4):
+        for dtypes in ("bf16", "fp8"):
+          if dtypes == "fp8" and configs.fp8_reason(
+              *_fp8_dtypes(kind), True, config.tile_k):
+            continue
+          add(Case(f"{kind}/config/{label}/d{d}/{dtypes}", kind, d, 1024, 2048,
+                   1024, dtypes, config, origin="kernel tests' configs"))
+  # 4. Off the tiles in m, n and k (n padded), and n off the tiles left
+  # to TMA (1088: a whole number of 64-column swizzle tiles), D = 2 and 8.
+  for kind in ("all_gather", "reduce_scatter"):
+    for d in (2, 8):
+      for dtypes in ("bf16", "fp8"):
+        config = (kernels.AllGatherConfig if kind == "all_gather"
+                  else kernels.ReduceScatterConfig)(
+                      tile_k=128 if dtypes == "fp8" else 64)
+        for m, k, n in ((1000, 1936, 1064), (1024, 2048, 1088)):
+          add(Case(f"{kind}/off_tiles/d{d}/{dtypes}/{m}x{k}x{n}", kind, d, m,
+                   k, n, dtypes, config, origin="off the tiles"))
+  return out
+
+
+def _fp8_dtypes(kind):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if kind == "all_gather":
+    return jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.bfloat16
+  return jnp.float8_e5m2, jnp.float8_e4m3fn, jnp.bfloat16
+
+
+# ----------------------------------------------------------- one case
+
+
+def _program(case: Case):
+  """(jitted fn, operand shapes/dtypes, reference fn) of a case."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  d, m, k, n = case.d, case.m, case.k, case.n
+  fp8 = case.dtypes == "fp8"
+  if fp8:
+    a_dt, b_dt, _ = _fp8_dtypes(case.kind)
+  else:
+    a_dt = b_dt = jnp.bfloat16
+  layout = "nk" if fp8 else "kn"
+  kw = dict(config=case.config)
+  if case.kind == "all_gather":
+    shapes = [(d, m, k), (d, n, k) if fp8 else (d, k, n)]
+    fn = functools.partial(kernels.all_gather_lhs_matmul_virtual,
+                           ranks=case.ranks(), rhs_layout=layout, **kw)
+  else:
+    shapes = [(d, d * m, k), (d, n, k) if fp8 else (d, k, n)]
+    fn = functools.partial(kernels.matmul_reduce_scatter_virtual,
+                           ranks=case.ranks(), w_layout=layout, **kw)
+  if fp8:
+    inner = fn
+    fn = lambda a, b, s: inner(a, b, scale=s)  # pylint: disable=unnecessary-lambda-assignment
+    shapes.append(())
+  dtypes = [a_dt, b_dt] + ([jnp.float32] if fp8 else [])
+  specs = [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, dtypes)]
+
+  def reference(a, b, *scale):
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    if fp8:
+      b = jnp.swapaxes(b, 1, 2)  # [D, k, n]
+    hi = jax.lax.Precision.HIGHEST
+    if case.kind == "all_gather":
+      full = a.reshape(d * m, k)
+      out = jnp.einsum("rk,dkn->drn", full, b, precision=hi)
+    else:
+      total = jnp.einsum("drk,dkn->rn", a, b, precision=hi)
+      out = total.reshape(d, m, n)
+    return out * scale[0] if scale else out
+  return jax.jit(fn), specs, jax.jit(reference)
+
+
+def _operands(specs, seed):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  keys = jax.random.split(jax.random.key(seed), len(specs))
+  out = []
+  for key, spec in zip(keys, specs):
+    if spec.shape == ():
+      out.append(jnp.float32(SCALE))
+      continue
+    x = jax.random.normal(key, spec.shape, jnp.float32)
+    if jnp.dtype(spec.dtype).itemsize == 1:
+      x = x * 2.0  # fp8: use the format's range, not only its subnormals.
+    out.append(x.astype(spec.dtype))
+  return out
+
+
+def _poison(nbytes):
+  """Leave NaN in freed device memory, so an unwritten output shows up."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  junk = jnp.full((nbytes // 4 + 4096,), jnp.nan)
+  junk.block_until_ready()
+  del junk
+  jax.effects_barrier()
+
+
+def run_case(case: Case, announce=lambda phase: None, seed=0) -> dict:
+  """Runs one case in this process (on a GPU): compile, then run with the
+  output poisoned, then compare. `announce(phase)` marks the phases (the
+  worker tells the runner, whose hang clock starts at "running")."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fn, specs, reference = _program(case)
+  start = time.perf_counter()
+  compiled = fn.lower(*specs).compile()
+  compile_s = time.perf_counter() - start
+  args = _operands(specs, seed)
+  ref = np.asarray(reference(*args))
+  out_bytes = ref.size * 2 * 4  # The output and the receive buffers.
+  announce("running")
+  errors = []
+  for _ in range(2):  # Twice: a race shows as a result that moves.
+    _poison(out_bytes)
+    out = np.asarray(compiled(*args), np.float32)
+    errors.append([_rel(out[r], ref[r]) for r in range(case.d)])
+  worst = max(max(e) for e in errors)
+  moved = not np.array_equal(*[np.asarray(e) for e in errors])
+  return dict(name=case.name, status="ok" if worst <= TOLERANCE else "wrong",
+              rel_error=worst, rank_errors=errors[-1], moved=moved,
+              compile_s=round(compile_s, 2))
+
+
+def _rel(out, ref):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if not np.isfinite(out).all():
+    return float("inf")  # Unwritten (poisoned) or non-finite.
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ----------------------------------------------------------- the runner
+
+
+class Runner:
+  """Runs cases in a worker process, one at a time; a case whose run
+  outlasts `hang_s` (after it compiled; `compile_s` before) is a hang: the
+  worker is killed and replaced."""
+
+  def __init__(self, hang_s=30.0, compile_s=300.0, worker_cmd=None,
+               env=None):
+    self.hang_s, self.compile_s = hang_s, compile_s
+    self.worker_cmd = worker_cmd or [sys.executable, os.path.abspath(__file__),
+                                     "--worker"]
+    self.env = dict(os.environ if env is None else env,
+                    PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    self.proc = None
+
+  def _start(self):
+    self.proc = subprocess.Popen(self.worker_cmd, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True,
+                                 env=self.env)
+    self._buf = b""
+
+  def close(self):
+    if self.proc is not None:
+      self.proc.kill()
+      self.proc.wait()
+      self.proc = None
+
+  def _line(self, deadline):
+    """The worker's next "@@ " line; None at the deadline, "" if it died.
+    Reads the pipe unbuffered (a buffered reader would hold lines that
+    `select` no longer sees)."""
+    fd = self.proc.stdout.fileno()
+    while True:
+      while b"\n" in self._buf:
+        line, self._buf = self._buf.split(b"\n", 1)
+        text = line.decode(errors="replace")
+        if text.startswith("@@ "):
+          return text[3:].strip()
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return None
+      ready, _, _ = select.select([fd], [], [], left)
+      if ready:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+          return ""  # The worker died.
+        self._buf += chunk
+
+  def run(self, name: str) -> dict:
+    if self.proc is None or self.proc.poll() is not None:
+      self._start()
+    start = time.monotonic()
+    self.proc.stdin.write(name + "\n")
+    self.proc.stdin.flush()
+    phase, limit = "compiling", self.compile_s
+    deadline = start + limit
+    while True:
+      line = self._line(deadline)
+      if line is None or line == "":
+        self.close()
+        return dict(name=name, status="hang" if line is None else "died",
+                    detail=f"no result {limit:.0f} s into {phase}")
+      if line == "running":
+        phase, limit = "running", self.hang_s
+        deadline = time.monotonic() + limit
+        continue
+      return json.loads(line)
+
+
+def _worker(device_kind, quick):
+  by_name = {c.name: c for c in cases(device_kind, quick)}
+  for line in sys.stdin:
+    name = line.strip()
+    try:
+      result = run_case(by_name[name],
+                        announce=lambda phase: print("@@ " + phase,
+                                                     flush=True))
+    except Exception as e:  # pylint: disable=broad-except
+      result = dict(name=name, status="error",
+                    detail=f"{type(e).__name__}: {str(e)[:2000]}")
+    print("@@ " + json.dumps(result), flush=True)
+
+
+def verdict(case: Case, result: dict) -> bool:
+  """Whether a case came out as it must: ok, or for a mutation, caught."""
+  if case.expect_fail:
+    return result["status"] in ("wrong", "hang")
+  return result["status"] == "ok"
+
+
+# ----------------------------------------------------------- plan (CPU)
+
+
+def plan(selected, lower: bool) -> list[str]:
+  """Traces (and lowers for CUDA) each case's program; returns errors."""
+  errors = []
+  for case in selected:
+    fn, specs, _ = _program(case)
+    try:
+      traced = fn.trace(*specs)
+      if lower:
+        traced.lower(lowering_platforms=("cuda",))
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(f"{case.name}: {type(e).__name__}: {str(e)[:300]}")
+  return errors
+
+
+def _device_kind():
+  try:
+    return subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+        capture_output=True, text=True, check=True,
+        timeout=30).stdout.splitlines()[0].strip()
+  except (OSError, subprocess.SubprocessError, IndexError):
+    return DEFAULT_KIND
+
+
+def main(argv=None):
+  tool_setup.prepare()
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--plan", action="store_true",
+                      help="trace every case (and lower it for CUDA on JAX "
+                      ">= 0.12) on this machine, without a GPU")
+  parser.add_argument("--list", action="store_true", help="list the cases")
+  parser.add_argument("--quick", action="store_true",
+                      help="only the default, mutation and skew cases")
+  parser.add_argument("--only", nargs="*", default=None,
+                      help="cases whose names contain one of these")
+  parser.add_argument("--start", type=int, default=0,
+                      help="skip the first START selected cases (to go on "
+                      "where a run's --budget-s stopped)")
+  parser.add_argument("--out", help="write every result as JSON here")
+  parser.add_argument("--hang-s", type=float, default=30.0,
+                      help="a run outlasting this many seconds is a hang")
+  parser.add_argument("--budget-s", type=float, default=None,
+                      help="stop starting cases after this many seconds")
+  parser.add_argument("--device-kind", default=None,
+                      help="the GPU selection picks for (default: "
+                      "nvidia-smi's, else H200)")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  kind = args.device_kind or (DEFAULT_KIND if args.plan else _device_kind())
+  if args.worker:
+    _worker(kind, args.quick)
+    return 0
+  if args.plan:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  selected = cases(kind, args.quick)
+  if args.only:
+    selected = [c for c in selected if any(s in c.name for s in args.only)]
+    if not selected:
+      parser.error(f"--only {args.only}: no case matches")
+  selected = selected[args.start:]
+  if args.list:
+    for c in selected:
+      print(f"{c.name:60s} {c.origin}")
+    return 0
+  if args.plan:
+    import jax  # pylint: disable=g-import-not-at-top
+    version = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    errors = plan(selected, lower=version >= (0, 12))
+    print(f"planned {len(selected)} cases "
+          f"({'traced and lowered' if version >= (0, 12) else 'traced'}), "
+          f"{len(errors)} errors")
+    for e in errors:
+      print("  " + e)
+    return 1 if errors else 0
+  runner = Runner(hang_s=args.hang_s, env=dict(os.environ, CM_DEVICE_KIND=kind))
+  runner.worker_cmd += ["--device-kind", kind] + (["--quick"] if args.quick
+                                                  else [])
+  results, start = [], time.monotonic()
+  try:
+    for i, case in enumerate(selected):
+      if args.budget_s and time.monotonic() - start > args.budget_s:
+        results.append(dict(name=case.name, status="not run",
+                            detail="--budget-s spent"))
+        continue
+      result = runner.run(case.name)
+      result.update(d=case.d, dtypes=case.dtypes, origin=case.origin,
+                    expect_fail=case.expect_fail, config=repr(case.config),
+                    passed=verdict(case, result))
+      results.append(result)
+      print(f"[{i + 1}/{len(selected)}] {time.monotonic() - start:6.0f} s "
+            f"{'PASS' if result['passed'] else 'FAIL'} {case.name}: "
+            f"{result['status']} {result.get('rel_error', result.get('detail', ''))}",
+            flush=True)
+  finally:
+    runner.close()
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(device_kind=kind, results=results), f, indent=1)
+  ran = [r for r in results if r["status"] != "not run"]
+  failed = [r for r in ran if not r["passed"]]
+  print(f"\n{len(ran)} cases run, {len(ran) - len(failed)} as they must, "
+        f"{len(failed)} not, {len(results) - len(ran)} not run")
+  for r in failed:
+    print(f"  FAIL {r['name']}: {r['status']} "
+          f"{r.get('rel_error', r.get('detail', ''))}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
