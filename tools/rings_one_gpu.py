@@ -486,6 +486,9 @@ def main(argv=None):
                     expect_fail=case.expect_fail, config=repr(case.config),
                     passed=verdict(case, result))
       results.append(result)
+      if args.out:  # After every case: a run cut short keeps its results.
+        with open(args.out, "w") as f:
+          json.dump(dict(device_kind=kind, results=results), f, indent=1)
       print(f"[{i + 1}/{len(selected)}] {time.monotonic() - start:6.0f} s "
             f"{'PASS' if result['passed'] else 'FAIL'} {case.name}: "
             f"{result['status']} {result.get('rel_error', result.get('detail', ''))}",
