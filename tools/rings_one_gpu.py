@@ -59,8 +59,10 @@ class Case:
   kind: "all_gather" or "reduce_scatter"; m, k, n: per rank (the
   all-gather's shard rows; the reduce-scatter's rows after the scatter
   and local contraction); dtypes: "bf16" or "fp8"; shares, delay_ns,
-  drop: `peers.VirtualRanks`' (shares () for D equal ones); expect_fail:
-  a mutation, which the check must catch (wrong result or hang).
+  drop: `peers.VirtualRanks`' (shares () for D equal ones); early_free:
+  the race that commit de65204 fixed, put back (`_early_free`);
+  expect_fail: a mutation, which the check must catch (wrong result or
+  hang).
   """
 
   name: str
@@ -74,6 +76,7 @@ class Case:
   shares: tuple = ()
   delay_ns: tuple = ()
   drop: frozenset = frozenset()
+  early_free: bool = False
   expect_fail: bool = False
   origin: str = ""
 
@@ -140,6 +143,18 @@ def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
       add(Case(f"{kind}/mutation/drop_{what}", kind, 2, dtypes="bf16",
                config=config, delay_ns=delay, drop=frozenset([site]),
                expect_fail=True, origin="mutation", **base))
+  # de65204's race (a pipeline slot freed while a wgmma still reads it),
+  # at the 64 x 256 warpgroup tiles it broke; the same configs without it
+  # are among the kernel tests' configs below.
+  wide = kernel_configs("all_gather")["wide_warpgroup_tiles"]
+  wide_rs = kernel_configs("reduce_scatter")["wide_warpgroup_tiles"]
+  for kind, config in (("all_gather", wide), ("reduce_scatter", wide_rs)):
+    add(Case(f"{kind}/mutation/de65204_race_64x256", kind, 2, dtypes="bf16",
+             config=config, early_free=True, expect_fail=True,
+             origin="mutation", **base))
+    add(Case(f"{kind}/config/wide_warpgroup_tiles/d2/bf16", kind, 2,
+             dtypes="bf16", config=config, origin="kernel tests' configs",
+             **base))
   for kind, config in (("all_gather", ag), ("reduce_scatter", rs)):
     add(Case(f"{kind}/skew/d2_shares_50_82_delay", kind, 2, dtypes="bf16",
              config=config, shares=(50, 82), delay_ns=(1_000_000, 0),
@@ -270,6 +285,32 @@ def _poison(nbytes):
   jax.effects_barrier()
 
 
+class _early_free:  # pylint: disable=invalid-name
+  """Puts back the race commit de65204 fixed, for one case: the pipeline
+  frees a slot with one more step's wgmmas in flight than its release
+  allows (`plgpu.wgmma_wait(n)` of `kernels.pipeline` as n + 1 where n is
+  0), so a wgmma may read a slot the next load overwrites."""
+
+  def __enter__(self):
+    from collective_matmul.kernels import pipeline  # pylint: disable=g-import-not-at-top
+    self.module, self.real = pipeline, pipeline.plgpu
+    real_wait = self.real.wgmma_wait
+
+    class Racy:
+      def __getattr__(self, name):
+        return getattr(_early_free.real_module, name)
+
+      @staticmethod
+      def wgmma_wait(n):
+        return real_wait(n + 1 if n == 0 else n)
+    _early_free.real_module = self.real
+    pipeline.plgpu = Racy()
+    return self
+
+  def __exit__(self, *exc):
+    self.module.plgpu = self.real
+
+
 def run_case(case: Case, announce=lambda phase: None, seed=0) -> dict:
   """Runs one case in this process (on a GPU): compile, then run with the
   output poisoned, then compare. `announce(phase)` marks the phases (the
@@ -277,7 +318,11 @@ def run_case(case: Case, announce=lambda phase: None, seed=0) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   fn, specs, reference = _program(case)
   start = time.perf_counter()
-  compiled = fn.lower(*specs).compile()
+  if case.early_free:
+    with _early_free():
+      compiled = fn.lower(*specs).compile()
+  else:
+    compiled = fn.lower(*specs).compile()
   compile_s = time.perf_counter() - start
   args = _operands(specs, seed)
   ref = np.asarray(reference(*args))

@@ -34,6 +34,7 @@ def test_the_cases_cover_the_rings():
     dropped = {site for c in mine if c.expect_fail for site in c.drop}
     assert any("wait" in s for s in dropped), dropped
     assert any("signal" in s for s in dropped), dropped
+    assert any(c.early_free and c.expect_fail for c in mine)  # de65204.
     assert any(c.config.chain_tiles for c in mine)
     assert any(c.origin.startswith("selection") for c in mine)
     assert any(c.m % 128 or c.k % 128 for c in mine)  # Off the tiles.
@@ -87,6 +88,17 @@ def test_the_runner_reports_a_hang_and_a_dead_worker():
   assert hung.proc is None  # Killed; the next case starts a new worker.
   dead = rings.Runner(hang_s=1, worker_cmd=_fake_worker("  sys.exit(3)\n"))
   assert dead.run("a")["status"] == "died"
+
+
+def test_the_de65204_race_changes_the_traced_pipeline():
+  """The mutation that puts commit de65204's race back leaves one more
+  step's wgmmas in flight where a slot is freed."""
+  case = next(c for c in rings.cases(quick=True) if c.early_free)
+  fn, specs, _ = rings._program(case)  # pylint: disable=protected-access
+  with rings._early_free():  # pylint: disable=protected-access
+    racy = str(fn.trace(*specs).jaxpr)
+  fn, specs, _ = rings._program(case)  # pylint: disable=protected-access
+  assert str(fn.trace(*specs).jaxpr) != racy
 
 
 def test_a_mutation_passes_only_when_caught():
