@@ -443,9 +443,15 @@ def verdict(case: Case, result: dict) -> bool:
 
 
 def plan(selected, lower: bool) -> list[str]:
-  """Traces (and lowers for CUDA) each case's program; returns errors."""
+  """Traces (and lowers for CUDA) each case's program; returns errors.
+  Before JAX 0.11 (one dtype per wgmma) the e5m2 x e4m3 cases are left
+  out."""
+  import jax  # pylint: disable=g-import-not-at-top
+  mixed = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
   errors = []
   for case in selected:
+    if not mixed and case.dtypes == "fp8" and case.kind == "reduce_scatter":
+      continue
     fn, specs, _ = _program(case)
     try:
       traced = fn.trace(*specs)
