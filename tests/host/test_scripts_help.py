@@ -57,3 +57,24 @@ def test_xla_warnings_are_quiet_unless_verbosity_is_asked_for(argv, quiet):
   assert run.returncode == 0, run.stderr[-2000:]
   # 2: INFO and WARNING hidden, errors shown (JAX's own default is 1).
   assert (run.stdout.strip() == "2") == quiet, run.stdout
+
+
+def test_maxtext_ab_help_says_what_each_arm_is_and_the_defaults():
+  # It named its arms without saying what they are (issue 49, item 5).
+  sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+  try:
+    import maxtext_ab  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  assert set(maxtext_ab.ARM_HELP) == set(maxtext_ab.ARMS)
+  run = subprocess.run([sys.executable,
+                        os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"),
+                        "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO_ROOT)
+  assert run.returncode == 0, run.stderr[-2000:]
+  text = " ".join(run.stdout.split())
+  for name, what in maxtext_ab.ARM_HELP.items():
+    assert f"{name}: {' '.join(what.split())}" in text, name
+  assert "(default: off,auto,windowed)" in text
+  assert "(default: 300)" in text
+  assert "parse_arm" not in text
