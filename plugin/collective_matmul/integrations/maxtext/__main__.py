@@ -8,7 +8,10 @@
         [--maxtext_allow_untested_version]
 
 MaxText's own command line is passed through unchanged; the plugin's absl
-flags may appear anywhere in it. After each compile that traced projections,
+flags (below) may appear anywhere in it, written as flags
+(`--use_collective_matmul`), not as MaxText keys. `--help` lists them
+without loading MaxText; `--helpfull` adds the flags MaxText's modules
+define. After each compile that traced projections,
 the decision record (what was rewritten, with which implementation, or why
 not) is printed once, and so is what `--maxtext_shard_gpu_attention` did
 with each flash attention call (`attention`). The run ends with a summary:
