@@ -37,41 +37,49 @@ import sys
 import textwrap
 import time
 
-ARMS = {
-    # name: (plugin flags, extra XLA_FLAGS)
-    "off": ((), ""),
-    "auto": (("--use_collective_matmul", "--collective_matmul_impl=auto"), ""),
-    "ring": (("--use_collective_matmul", "--collective_matmul_impl=ring"), ""),
-    # MaxText's GPU flash attention per shard of heads (plugin off / auto).
-    "attn": (("--maxtext_shard_gpu_attention",), ""),
-    "auto_attn": (("--use_collective_matmul", "--collective_matmul_impl=auto",
-                   "--maxtext_shard_gpu_attention"), ""),
-    "windowed": ((), "--xla_gpu_threshold_for_windowed_einsum_mib=0 "
-                     "--xla_gpu_multi_streamed_windowed_einsum=true"),
+@dataclasses.dataclass(frozen=True)
+class NamedArm:
+  """An arm --arms can name: what it is, and what it adds to the launch."""
+  description: str
+  plugin_flags: tuple[str, ...] = ()
+  xla_flags: str = ""
+
+
+_AUTO = ("--use_collective_matmul", "--collective_matmul_impl=auto")
+NAMED_ARMS = {
+    "off": NamedArm("stock MaxText: plugin off, MaxText's XLA defaults (the "
+                    "baseline)"),
+    "auto": NamedArm("the plugin on, implementation picked per projection "
+                     "(the Hopper kernels where they apply, else XLA's "
+                     "collective + GEMM or, off Hopper, the portable ring)",
+                     _AUTO),
+    "ring": NamedArm("the plugin on, the portable ppermute ring everywhere "
+                     "(any backend; for correctness, not speed)",
+                     ("--use_collective_matmul",
+                      "--collective_matmul_impl=ring")),
+    "attn": NamedArm("plugin off, MaxText's GPU flash attention run per "
+                     "shard of heads (--maxtext_shard_gpu_attention)",
+                     ("--maxtext_shard_gpu_attention",)),
+    "auto_attn": NamedArm("auto and attn together",
+                          _AUTO + ("--maxtext_shard_gpu_attention",)),
+    "windowed": NamedArm("plugin off, XLA's own windowed einsum (its "
+                         "all-gather overlap) switched on through XLA_FLAGS",
+                         xla_flags="--xla_gpu_threshold_for_windowed_einsum_"
+                         "mib=0 --xla_gpu_multi_streamed_windowed_einsum="
+                         "true"),
 }
-# What each named arm is (--help lists them).
-ARM_HELP = {
-    "off": "stock MaxText: plugin off, MaxText's XLA defaults (the baseline)",
-    "auto": "the plugin on, implementation picked per projection (the "
-            "Hopper kernels where they apply, else XLA's collective + GEMM "
-            "or, off Hopper, the portable ring)",
-    "ring": "the plugin on, the portable ppermute ring everywhere (any "
-            "backend; for correctness, not speed)",
-    "attn": "plugin off, MaxText's GPU flash attention run per shard of "
-            "heads (--maxtext_shard_gpu_attention)",
-    "auto_attn": "auto and attn together",
-    "windowed": "plugin off, XLA's own windowed einsum (its all-gather "
-                "overlap) switched on through XLA_FLAGS",
-}
+# name: (plugin flags, extra XLA_FLAGS)
+ARMS = {name: (arm.plugin_flags, arm.xla_flags)
+        for name, arm in NAMED_ARMS.items()}
 
 
 def arms_help() -> str:
   """Every named arm: what it is and what it adds to the command."""
   lines = ["named arms (--arms):"]
-  for name, (plugin_flags, xla_flags) in ARMS.items():
-    added = " ".join(plugin_flags) + (
-        f" XLA_FLAGS+={xla_flags}" if xla_flags else "")
-    lines += textwrap.wrap(f"{name}: {ARM_HELP[name]}", 78,
+  for name, arm in NAMED_ARMS.items():
+    added = " ".join(arm.plugin_flags) + (
+        f" XLA_FLAGS+={arm.xla_flags}" if arm.xla_flags else "")
+    lines += textwrap.wrap(f"{name}: {arm.description}", 78,
                            initial_indent="  ", subsequent_indent="    ")
     lines += textwrap.wrap(f"adds: {added.strip() or '(nothing)'}", 78,
                            initial_indent="    ", subsequent_indent="      ",
