@@ -34,20 +34,59 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
-ARMS = {
-    # name: (plugin flags, extra XLA_FLAGS)
-    "off": ((), ""),
-    "auto": (("--use_collective_matmul", "--collective_matmul_impl=auto"), ""),
-    "ring": (("--use_collective_matmul", "--collective_matmul_impl=ring"), ""),
-    # MaxText's GPU flash attention per shard of heads (plugin off / auto).
-    "attn": (("--maxtext_shard_gpu_attention",), ""),
-    "auto_attn": (("--use_collective_matmul", "--collective_matmul_impl=auto",
-                   "--maxtext_shard_gpu_attention"), ""),
-    "windowed": ((), "--xla_gpu_threshold_for_windowed_einsum_mib=0 "
-                     "--xla_gpu_multi_streamed_windowed_einsum=true"),
+@dataclasses.dataclass(frozen=True)
+class NamedArm:
+  """An arm --arms can name: what it is, and what it adds to the launch."""
+  description: str
+  plugin_flags: tuple[str, ...] = ()
+  xla_flags: str = ""
+
+
+_AUTO = ("--use_collective_matmul", "--collective_matmul_impl=auto")
+NAMED_ARMS = {
+    "off": NamedArm("stock MaxText: plugin off, MaxText's XLA defaults (the "
+                    "baseline)"),
+    "auto": NamedArm("the plugin on, implementation picked per projection "
+                     "(the Hopper kernels where they apply, else XLA's "
+                     "collective + GEMM or, off Hopper, the portable ring)",
+                     _AUTO),
+    "ring": NamedArm("the plugin on, the portable ppermute ring everywhere "
+                     "(any backend; for correctness, not speed)",
+                     ("--use_collective_matmul",
+                      "--collective_matmul_impl=ring")),
+    "attn": NamedArm("plugin off, MaxText's GPU flash attention run per "
+                     "shard of heads (--maxtext_shard_gpu_attention)",
+                     ("--maxtext_shard_gpu_attention",)),
+    "auto_attn": NamedArm("auto and attn together",
+                          _AUTO + ("--maxtext_shard_gpu_attention",)),
+    "windowed": NamedArm("plugin off, XLA's own windowed einsum (its "
+                         "all-gather overlap) switched on through XLA_FLAGS",
+                         xla_flags="--xla_gpu_threshold_for_windowed_einsum_"
+                         "mib=0 --xla_gpu_multi_streamed_windowed_einsum="
+                         "true"),
 }
+# name: (plugin flags, extra XLA_FLAGS)
+ARMS = {name: (arm.plugin_flags, arm.xla_flags)
+        for name, arm in NAMED_ARMS.items()}
+
+
+def arms_help() -> str:
+  """Every named arm: what it is and what it adds to the command."""
+  lines = ["named arms (--arms):"]
+  for name, arm in NAMED_ARMS.items():
+    added = " ".join(arm.plugin_flags) + (
+        f" XLA_FLAGS+={arm.xla_flags}" if arm.xla_flags else "")
+    lines += textwrap.wrap(f"{name}: {arm.description}", 78,
+                           initial_indent="  ", subsequent_indent="    ")
+    lines += textwrap.wrap(f"adds: {added.strip() or '(nothing)'}", 78,
+                           initial_indent="    ", subsequent_indent="      ",
+                           break_on_hyphens=False)
+  return "\n".join(lines)
+
+
 WARMUP_STEPS = 2  # Compile and first-touch: not in the median.
 PROFILE_AFTER = WARMUP_STEPS + 1  # With --profile_steps: the first profiled.
 LOSS_RTOL = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -439,18 +478,39 @@ def plot(result: dict, path: str) -> bool:
   return True
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+  """The docstring as written, and each option's default where it has
+  one."""
+
+  def _get_help_string(self, action):
+    help_text = action.help or ""
+    if action.default not in (None, "", [], argparse.SUPPRESS) and (
+        action.option_strings):
+      help_text += " (default: %(default)s)"
+    return help_text
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command line (README's commands are parsed with it)."""
   parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", required=True)
+      description=__doc__, epilog=arms_help(), formatter_class=_HelpFormatter)
+  parser.add_argument("--out", required=True,
+                      help="directory for ab.json, report.md, ab.png and "
+                      "each arm's log and metrics")
   parser.add_argument("--arms", default="off,auto,windowed",
-                      help=f"comma-separated: {sorted(ARMS)}")
+                      help="comma-separated named arms (listed below); "
+                      "'off' is required")
   parser.add_argument("--arm", action="append", default=[],
-                      help="an extra arm NAME=ARGS (see parse_arm)")
+                      metavar="NAME=ARGS",
+                      help="an extra arm, repeatable: ARGS' --xla_* flags go "
+                      "to XLA_FLAGS, its other -- flags to the launcher (the "
+                      "plugin's flags) and its key=value arguments to "
+                      "MaxText, e.g. 'auto_noscan=--use_collective_matmul "
+                      "scan_layers=False'")
   parser.add_argument("--timeout", type=int, default=300,
                       help="seconds per arm")
-  parser.add_argument("--title", default="")
+  parser.add_argument("--title", default="",
+                      help="title of report.md and ab.png")
   parser.add_argument("--profile_steps", type=int, default=0,
                       help="profile this many steps per arm (MaxText's "
                       "profiler=xplane, after the warm-up) and report where "
@@ -464,7 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run every arm this many times, the order "
                       "reversed every other round; step times are pooled "
                       "(only the first round is profiled)")
-  parser.add_argument("maxtext_args", nargs=argparse.REMAINDER)
+  parser.add_argument("maxtext_args", nargs=argparse.REMAINDER,
+                      help="after --: MaxText's config file and key=value "
+                      "arguments, the same for every arm")
   return parser
 
 

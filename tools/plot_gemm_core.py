@@ -14,8 +14,9 @@ geomean targets
 (one call's shapes split over calls) are merged by shape, later files
 replacing earlier ones.
 
-  python tools/plot_gemm_core.py benchmarks/gemm_core/run15.json \
-      benchmarks/gemm_core/run15_c.json benchmarks/gemm_core/run15.png
+  python tools/plot_gemm_core.py benchmarks/core_one_gpu/fp8_picks.json \
+      benchmarks/core_one_gpu/fp8_picks_n14336.json \
+      benchmarks/core_one_gpu/fp8_picks.png
 """
 from __future__ import annotations
 

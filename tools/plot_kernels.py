@@ -1,7 +1,7 @@
 """Plot a bench_kernels.py JSON: time per method per shape, relative to the bound.
 
-  python tools/plot_kernels.py benchmarks/raw_kernels_h200x2.json \
-      benchmarks/kernels_h200x2.png
+  python tools/plot_kernels.py benchmarks/rings_h200x2/ag_all_shapes.json \
+      kernels.png
 """
 import json
 

@@ -57,3 +57,23 @@ def test_xla_warnings_are_quiet_unless_verbosity_is_asked_for(argv, quiet):
   assert run.returncode == 0, run.stderr[-2000:]
   # 2: INFO and WARNING hidden, errors shown (JAX's own default is 1).
   assert (run.stdout.strip() == "2") == quiet, run.stdout
+
+
+def test_maxtext_ab_help_says_what_each_arm_is_and_the_defaults():
+  # It named its arms without saying what they are (issue 49, item 5).
+  sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+  try:
+    import maxtext_ab  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  run = subprocess.run([sys.executable,
+                        os.path.join(REPO_ROOT, "scripts", "maxtext_ab.py"),
+                        "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO_ROOT)
+  assert run.returncode == 0, run.stderr[-2000:]
+  text = " ".join(run.stdout.split())
+  for name, arm in maxtext_ab.NAMED_ARMS.items():
+    assert f"{name}: {' '.join(arm.description.split())}" in text, name
+  assert "(default: off,auto,windowed)" in text
+  assert "(default: 300)" in text
+  assert "parse_arm" not in text

@@ -125,3 +125,18 @@ def test_a_mesh_the_devices_cannot_make_is_raised_naming_its_keys():
     initialize(_ARGV)
   assert raised.value.key == "ici_tensor_parallelism=3"
   assert str(raised.value).endswith("(8 devices)")
+
+
+def test_a_plugin_flag_written_as_a_key_is_pointed_to_its_flag():
+  flags = {"use_collective_matmul": True, "collective_matmul_impl": False}
+  argv = ("launcher", "base.yml", "steps=5", "use_collective_matmul=True",
+          "collective_matmul_impl=ring", "--collective_matmul_strict")
+  line = config_errors.plugin_flags_written_as_keys(argv, flags)
+  assert line == (
+      "use_collective_matmul=True: not a MaxText config key but the plugin's "
+      "flag: write --use_collective_matmul; collective_matmul_impl=ring: not "
+      "a MaxText config key but the plugin's flag: write "
+      "--collective_matmul_impl=ring")
+  assert config_errors.plugin_flags_written_as_keys(
+      ("launcher", "base.yml", "steps=5", "--use_collective_matmul"),
+      flags) is None

@@ -89,7 +89,7 @@ def test_pallas_says_what_hardware_and_dtype_it_needs(op, in_specs, dtype):
 
 def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   """The kernels give wrong results under CUDA-graph replay
-  (benchmarks/maxtext/): an explicit impl='pallas' says so, on a machine
+  (benchmarks/maxtext_h200x2/): an explicit impl='pallas' says so, on a machine
   that otherwise could run it."""
   from collective_matmul import ops
   from collective_matmul import selection

@@ -366,16 +366,16 @@ def test_bench_kernels_plans_the_config_the_gpu_run_picks():
 
 
 def _next_call_arguments():
-  """(script, arguments) of the command in benchmarks/gemm_core/README.md's
+  """(script, arguments) of the command in benchmarks/rings_h200x2/README.md's
   "Next call" section (the one fenced block there), as a shell passes
   them, less `--out`."""
   import re  # pylint: disable=g-import-not-at-top
   import shlex  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(REPO_ROOT, "benchmarks", "gemm_core",
+  with open(os.path.join(REPO_ROOT, "benchmarks", "rings_h200x2",
                          "README.md")) as f:
     text = f.read()
   section = re.search(r"^## Next call.*?(?=^## )", text, re.M | re.S)
-  assert section, "benchmarks/gemm_core/README.md has no 'Next call'"
+  assert section, "benchmarks/rings_h200x2/README.md has no 'Next call'"
   [block] = re.findall(r"```\n(.*?)```", section.group(0), re.S)
   words = shlex.split(re.sub(r"\\\n\s*", " ", block))
   [script] = [w for w in words if w.startswith("tools/")]

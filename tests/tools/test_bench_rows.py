@@ -1,7 +1,7 @@
 """What the benchmark scripts record per shape, on CPU: the Hopper kernels
 replaced by plain matmuls and CUPTI by a call of the function, so the rows'
 keys, configs, error checks and reports run without a GPU (the GPU runs
-themselves are in benchmarks/kernel_lead/)."""
+themselves are under benchmarks/)."""
 import argparse
 import functools
 import types

@@ -1,8 +1,10 @@
 """benchmarks/ holds results that its documents cite: every path README.md,
 BUILD.md, docs/*.md and the benchmark documents name exists (a
 removed file is cited only as git history, on a line naming the commit
-that has it), every in-page link has its heading, and every run kept in
-kernel_lead/ is listed in its README."""
+that has it), every in-page link has its heading, every file kept is cited
+by its folder's README or RESULTS.md, and the folder stays small: at most
+150 files, none loose beside RESULTS.md, each README within 150 lines."""
+import fnmatch
 import glob
 import os
 import re
@@ -18,7 +20,10 @@ DOCS = (["README.md", "BUILD.md", "benchmarks/RESULTS.md"] +
             os.path.join(REPO_ROOT, "docs", "*.md"))) +
         sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(
             os.path.join(BENCHMARKS, "**", "README.md"), recursive=True)))
-HISTORY_COMMIT = "d8888bb"  # Where the removed files are cited from.
+# Where removed files are cited from (git history).
+HISTORY_COMMITS = ("d8888bb", "6672e66")
+MAX_FILES = 150
+MAX_README_LINES = 150
 PATH_SUFFIXES = (".json", ".log", ".txt", ".png", ".md", ".tgz", ".py",
                  ".sh", ".jsonl")
 
@@ -34,7 +39,7 @@ def _cited_paths(doc):
   folder: markdown link targets, backticked paths, and in README.md and
   BUILD.md every benchmarks/ path."""
   for number, line in enumerate(_text(doc).splitlines(), 1):
-    if HISTORY_COMMIT in line:
+    if any(commit in line for commit in HISTORY_COMMITS):
       continue
     tokens = re.findall(r"\]\(([^)#\s]+)[^)]*\)", line)
     tokens += [t for t in re.findall(r"`([^`\s]+)`", line)
@@ -60,16 +65,16 @@ SUBFOLDERS = tuple(f"{d}/" for d in os.listdir(BENCHMARKS)
 
 def _checked(doc, token):
   """A path this test can resolve: one from the repository's top (or,
-  in RESULTS.md, from benchmarks/), or a kernel run's file."""
+  in RESULTS.md, from benchmarks/)."""
   if not doc.startswith("benchmarks/"):
     return token.startswith("benchmarks/")
   roots = ROOTS + (SUBFOLDERS if doc == "benchmarks/RESULTS.md" else ())
-  return token.startswith(roots) or re.match(r"run\d+_", token)
+  return token.startswith(roots)
 
 
 def _exists(doc, token):
   bases = [os.path.dirname(os.path.join(REPO_ROOT, doc)), REPO_ROOT,
-           BENCHMARKS, os.path.join(BENCHMARKS, "kernel_lead")]
+           BENCHMARKS]
   for base in bases:
     path = os.path.normpath(os.path.join(base, token))
     if glob.glob(path) if "*" in token else os.path.exists(path):
@@ -107,29 +112,61 @@ def test_results_names_the_sections_others_cite():
   headings = re.findall(r"^## (.*)$", text, re.M)
   for needed in ("What is not re-checked since the wgmma-wait fix "
                  "(de65204)",
-                 "Method", "Machine and versions", "Commands",
-                 "All-gather kernel, D = 2",
-                 "Dedicated senders and chained tiles",
-                 "Small problems (D = 2)", "Reduce-scatter kernel, D = 2",
-                 "The matmul core on one GPU", "GPU test suite",
-                 "End to end: reference host A/B",
-                 "End to end: inside MaxText"):
+                 "Method", "Machine and versions", "Commands", "The claims",
+                 "Rings on one GPU (virtual ranks)"):
     assert needed in headings, needed
 
 
-def test_every_kept_kernel_run_is_listed():
-  readme = open(os.path.join(BENCHMARKS, "kernel_lead", "README.md")).read()
-  listed = set()
-  for first, last in re.findall(r"^\| (\d+)(?:-(\d+))?(?:, \d+)* \|", readme,
-                                re.M):
-    listed.update(range(int(first), int(last or first) + 1))
-  for more in re.findall(r"^\| \d+((?:, \d+)+) \|", readme, re.M):
-    listed.update(int(x) for x in more.split(",") if x.strip())
-  kept = {int(m) for m in re.findall(
-      r"^run(\d+)_", "\n".join(os.listdir(os.path.join(BENCHMARKS,
-                                                       "kernel_lead"))),
-      re.M)}
-  assert kept and kept <= listed, sorted(kept - listed)
+def _files():
+  """Every file under benchmarks/, relative to it."""
+  return sorted(os.path.relpath(p, BENCHMARKS)
+                for p in glob.glob(os.path.join(BENCHMARKS, "**", "*"),
+                                   recursive=True) if os.path.isfile(p))
+
+
+def test_benchmarks_is_small_with_nothing_loose_at_its_top():
+  files = _files()
+  assert len(files) <= MAX_FILES, len(files)
+  assert [f for f in files if os.sep not in f] == ["RESULTS.md"]
+
+
+def test_every_folder_has_a_readme_within_its_length():
+  for folder in SUBFOLDERS:
+    readme = os.path.join(BENCHMARKS, folder, "README.md")
+    assert os.path.isfile(readme), folder
+    with open(readme) as f:
+      assert len(f.read().splitlines()) <= MAX_README_LINES, folder
+
+
+def _stem(path):
+  return path.rstrip("/").rsplit(".", 1)[0] if "." in os.path.basename(
+      path.rstrip("/")) else path.rstrip("/")
+
+
+def test_every_file_is_cited_by_its_folders_readme_or_results():
+  """What no document names is a notebook leftover: cite it or remove it.
+  A file counts as cited by name, by a pattern (`small_*.json`), by its
+  stem with another extension (`run.json` and its `run.log`), or by its
+  sub-folder (`llama2-grouped/`)."""
+  results = open(os.path.join(BENCHMARKS, "RESULTS.md")).read()
+  uncited = []
+  for path in _files():
+    folder, _, inner = path.partition(os.sep)
+    if not inner or inner == "README.md":
+      continue
+    text = open(os.path.join(BENCHMARKS, folder, "README.md")).read()
+    tokens = re.findall(r"`([^`\s]+)`", text) + re.findall(
+        r"\]\(([^)#\s]+)", text)
+    tokens += [t[len(folder) + 1:] for t in
+               re.findall(r"`([^`\s]+)`", results) + re.findall(
+                   r"\]\(([^)#\s]+)", results)
+               if t.startswith(folder + "/")]
+    if not any(fnmatch.fnmatch(inner, token)
+               or fnmatch.fnmatch(_stem(inner), _stem(token))
+               or (token.endswith("/") and inner.startswith(token))
+               for token in tokens):
+      uncited.append(path)
+  assert not uncited, uncited
 
 
 def test_no_notebook_leftovers():

@@ -3,8 +3,8 @@ tokamax's shard_map over batch and heads.
 
 On GPU the kernel is tokamax's Triton flash attention, which XLA cannot
 partition: without shardings every device gathers q/k/v and computes every
-head (measured on 2 x H200 in benchmarks/maxtext/h200x2-llama2-7b-2layers-
-sharded-attention/). Here, on CPU, tokamax's XLA attention stands in for the
+head (measured on 2 x H200 in
+benchmarks/maxtext_h200x2/llama2-sharded-attention/). Here, on CPU, tokamax's XLA attention stands in for the
 kernel, through the same tokamax entry point and MaxText's own call.
 """
 import jax

@@ -8,7 +8,10 @@
         [--maxtext_allow_untested_version]
 
 MaxText's own command line is passed through unchanged; the plugin's absl
-flags may appear anywhere in it. After each compile that traced projections,
+flags (below) may appear anywhere in it, written as flags
+(`--use_collective_matmul`), not as MaxText keys. `--help` lists them
+without loading MaxText; `--helpfull` adds the flags MaxText's modules
+define. After each compile that traced projections,
 the decision record (what was rewritten, with which implementation, or why
 not) is printed once, and so is what `--maxtext_shard_gpu_attention` did
 with each flash attention call (`attention`). The run ends with a summary:
@@ -39,12 +42,24 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _PROGRAM = "python -m collective_matmul.integrations.maxtext"
 _HELP_FLAGS = ("--help", "-help", "-h", "--helpfull", "-helpfull",
                "--helpshort", "-helpshort", "-?")
-# What a run without MaxText says (one line).
-MAXTEXT_MISSING = (
-    f"{_PROGRAM}: MaxText is not installed in this Python "
-    f"{sys.version_info.major}.{sys.version_info.minor}; it needs Python >= "
-    '3.12 and the maxtext extra: pip install -e ".[maxtext]" (from this '
-    "repository, in a Python 3.12 environment)")
+_FULL_HELP_FLAGS = ("--helpfull", "-helpfull")
+
+
+def maxtext_missing(version: tuple[int, int] = sys.version_info[:2]) -> str:
+  """What a run without MaxText says (one line): on Python < 3.12 the
+  maxtext extra installs nothing (MaxText needs 3.12), so say that."""
+  here = f"Python {version[0]}.{version[1]}"
+  if tuple(version) < (3, 12):
+    return (f"{_PROGRAM}: MaxText needs Python >= 3.12 and this is {here}, "
+            'where pip install -e ".[maxtext]" installs no MaxText; in a '
+            'Python 3.12 environment: pip install -e ".[maxtext]" (from this '
+            "repository)")
+  return (f"{_PROGRAM}: MaxText is not installed in this {here} (it needs "
+          'Python >= 3.12 and the maxtext extra): pip install -e ".[maxtext]" '
+          "(from this repository)")
+
+
+MAXTEXT_MISSING = maxtext_missing()
 
 
 def maxtext_available() -> bool:
@@ -55,12 +70,27 @@ def maxtext_available() -> bool:
     return False
 
 
+_PLUGIN_FLAG_MODULES = (cm.flags, attention, summary)
+# What --help says after the plugin's flags.
+MAXTEXT_OPTIONS_NOTE = (
+    "MaxText's own options are key=value overrides of the config file given "
+    "first (its configs/base.yml lists them); --helpfull adds the absl flags "
+    "that MaxText's modules define (it imports MaxText first, 10-20 s).")
+
+
+def plugin_flag_names() -> dict[str, bool]:
+  """The launcher's own flags (the plugin's and the MaxText glue's): name ->
+  whether it is a boolean flag."""
+  return {flag.name: flag.boolean
+          for module in _PLUGIN_FLAG_MODULES
+          for flag in flags.FLAGS.get_flags_for_module(module)}
+
+
 def usage() -> str:
-  """The launcher's usage and the plugin's flags, which need no MaxText
-  (MaxText's own flags are listed by --help where MaxText is installed)."""
+  """The launcher's usage and the plugin's flags, which need no MaxText."""
   plugin_flags = "\n\n".join(
       flags.FLAGS.module_help(module).strip()
-      for module in (cm.flags, attention, summary))
+      for module in _PLUGIN_FLAG_MODULES)
   return f"{__doc__.strip()}\n\nflags:\n\n{plugin_flags}\n"
 
 
@@ -147,15 +177,28 @@ def _kernels_may_run(argv: Sequence[str]) -> bool:
   return on and chosen in (Impl.AUTO, Impl.PALLAS)
 
 
+def _asks_for_help(argv: Sequence[str]) -> bool:
+  return any(arg.partition("=")[0] in _HELP_FLAGS for arg in argv[1:])
+
+
 def run() -> None:
-  if not maxtext_available():
-    # Without MaxText there is no trainer to launch; --help still shows the
-    # launcher's usage.
-    if any(arg.partition("=")[0] in _HELP_FLAGS for arg in sys.argv[1:]):
-      print(usage())
+  if _asks_for_help(sys.argv):
+    # The plugin's flags first, before MaxText's slow and noisy import.
+    print(usage(), flush=True)
+    if not maxtext_available():
       print(f"note: {MAXTEXT_MISSING}")
       sys.exit(0)
+    if not any(arg.partition("=")[0] in _FULL_HELP_FLAGS
+               for arg in sys.argv[1:]):
+      print(MAXTEXT_OPTIONS_NOTE)
+      sys.exit(0)
+  if not maxtext_available():
     print(MAXTEXT_MISSING, file=sys.stderr)
+    sys.exit(2)
+  misplaced = config_errors.plugin_flags_written_as_keys(
+      sys.argv, plugin_flag_names())
+  if misplaced:
+    print(f"{_PROGRAM}: {misplaced}", file=sys.stderr)
     sys.exit(2)
   if _kernels_may_run(sys.argv):
     # Command buffers off: only for runs that may use the kernels, so a
@@ -168,8 +211,7 @@ def run() -> None:
     app.run(main, argv=sys.argv)
   except SystemExit as e:
     # absl ends --help with status 1; asking for help is not an error.
-    if e.code == 1 and any(arg.partition("=")[0] in _HELP_FLAGS
-                           for arg in sys.argv[1:]):
+    if e.code == 1 and _asks_for_help(sys.argv):
       sys.exit(0)
     raise
 

@@ -7,7 +7,8 @@ traceback (and, for an unknown key, lists every valid key). Within
 `in_one_line(argv)` such an error is raised as `MaxTextConfigError`: its
 last meaningful line, with the key it concerns, the original as its cause.
 
-`describe` and `checked` need no MaxText (tested without it).
+`describe`, `checked` and `plugin_flags_written_as_keys` need no MaxText
+(tested without it).
 """
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ def _given(argv: Sequence[str]) -> dict[str, str]:
   """The key=value arguments of MaxText's command line."""
   return dict(arg.split("=", 1) for arg in argv[2:] if "=" in arg
               and not arg.startswith("-"))
+
+
+def plugin_flags_written_as_keys(argv: Sequence[str],
+                                 flag_names: dict[str, bool]) -> str | None:
+  """One line pointing each launcher flag written as a MaxText key
+  (`use_collective_matmul=True`) to its flag, or None. `flag_names`: the
+  launcher's flags, name -> whether it is boolean."""
+  hints = []
+  for key, value in _given(argv).items():
+    if key not in flag_names:
+      continue
+    if not flag_names[key]:
+      flag = f"--{key}={value}"
+    elif value.strip().lower() in ("false", "0", "no", "off"):
+      flag = f"--no{key} (or leave it out)"
+    else:
+      flag = f"--{key}"
+    hints.append(f"{key}={value}: not a MaxText config key but the plugin's "
+                 f"flag: write {flag}")
+  return "; ".join(hints) or None
 
 
 def last_line(error: BaseException) -> str:
