@@ -16,7 +16,7 @@ LAYERS = [
     {"enums"},
     {"kernels.configs", "kernels.diagnostics"},
     {"kernels.schedule"},
-    {"kernels.pipeline", "kernels.tracing"},
+    {"kernels.pipeline", "kernels.tracing", "kernels.peers"},
     {"kernels.ring_skeleton"},
     {"kernels.all_gather_matmul_kernel", "kernels.matmul_reduce_scatter_kernel"},
     {"kernels"},

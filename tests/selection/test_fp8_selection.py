@@ -18,7 +18,6 @@ from collective_matmul import dispatch
 from collective_matmul import kernels
 from collective_matmul import selection
 from collective_matmul.kernels import configs
-from collective_matmul.selection import applicability
 from collective_matmul.selection import heuristics
 from collective_matmul.selection import tuned
 
@@ -184,33 +183,15 @@ def test_fp8_reduce_scatter_takes_one_slot_with_the_same_partial_sum_stores(
 
 
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_auto_leaves_the_fp8_rings_to_xla_until_they_ran_on_gpus(collective):
-  """Not yet run at D >= 2 on GPUs, the fp8 rings are `auto`'s only on a
-  one-device axis; `pallas` takes them (the backward's bf16 kernel is
-  unaffected)."""
-  assert not applicability.FP8_RINGS_CHECKED_ON_GPUS
-  for d in (2, 4):
+def test_auto_takes_the_fp8_kernel_where_it_pays_off(collective):
+  """The fp8 rings ran on one GPU (virtual ranks, D = 2, 4, 8; two
+  processes, D = 2: benchmarks/rings_one_gpu), so `auto` takes them by its
+  bf16 rules, as it does the fp8 cores on a one-device axis."""
+  for d in (1, 2, 4):
     problem = _problem((4096, 4096, 2048), d, "e4m3_e4m3")
-    auto = selection.choose("auto", collective, problem, H200)
-    assert auto.impl == "baseline" and not auto.is_fallback
-    assert (f"the fp8 rings (e4m3 x e4m3 -> bf16, D = {d}) have not run on "
-            "GPUs") in auto.reason
-    pallas = selection.choose("pallas", collective, problem, H200)
-    assert pallas.impl == "pallas" and not pallas.is_fallback
-    assert pallas.backward_impl == "pallas"
-  one = _problem((4096, 4096, 2048), 1, "e4m3_e4m3")
-  assert selection.choose("auto", collective, one, H200).impl == "pallas"
-
-
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_auto_takes_the_fp8_kernel_where_it_pays_off(collective,
-                                                     monkeypatch):
-  """Once the fp8 rings have run on GPUs, `auto` takes them by its bf16
-  rules."""
-  monkeypatch.setattr(applicability, "FP8_RINGS_CHECKED_ON_GPUS", True)
-  problem = _problem((4096, 4096, 2048), 2, "e4m3_e4m3")
-  plan = selection.choose("auto", collective, problem, H200)
-  assert plan.impl == "pallas" and plan.reason == ""
+    plan = selection.choose("auto", collective, problem, H200)
+    assert plan.impl == "pallas" and plan.reason == ""
+    assert plan.backward_impl == "pallas"
   small = _problem((512, 1000, 768), 2, "e4m3_e4m3")
   plan = selection.choose("auto", collective, small, H200)
   assert plan.impl == "baseline" and "output tiles per ring step" in (

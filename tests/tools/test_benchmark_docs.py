@@ -113,7 +113,7 @@ def test_results_names_the_sections_others_cite():
   for needed in ("What is not re-checked since the wgmma-wait fix "
                  "(de65204)",
                  "Method", "Machine and versions", "Commands", "The claims",
-                 "Rings on one GPU (virtual ranks)"):
+                 "Rings on one GPU (virtual ranks, two processes)"):
     assert needed in headings, needed
 
 

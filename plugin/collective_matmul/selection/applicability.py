@@ -164,26 +164,6 @@ def tiles_per_step(config: configs.TileConfig, problem: Problem) -> int:
   return ((m + pad.m) // config.cta_tile_m) * ((n + pad.n) // config.cta_tile_n)
 
 
-# Whether the fp8 rings (D >= 2) have run correctly on GPUs. They share
-# the bf16 rings' sends and semaphores, but their 1-byte shards and K-major
-# weights have been lowered on CPU and run at D = 1 only (no multi-GPU
-# machine was lent since they were written): `auto` leaves them to XLA until
-# `tests/gpu/test_fp8_kernels_gpu.py`'s ring tests pass at D = 2 and 4.
-FP8_RINGS_CHECKED_ON_GPUS = False
-
-
-def unchecked_reason(problem: Problem) -> str | None:
-  """Why `auto` does not take the kernel for `problem` although it could
-  run it (an explicit `pallas` does), or None: an fp8 ring that has not
-  run on GPUs."""
-  if (problem.is_fp8 and problem.axis_size > 1
-      and not FP8_RINGS_CHECKED_ON_GPUS):
-    return (f"the fp8 rings ({problem.dtype_label()}, D = {problem.axis_size}) "
-            "have not run on GPUs yet (the fp8 cores are checked at D = 1): "
-            "XLA's collective and fp8 GEMM; impl='pallas' runs the kernel")
-  return None
-
-
 def too_small_reason(config: configs.TileConfig, problem: Problem,
                      num_sms: int) -> str | None:
   """Why overlapping does not pay for `problem` run with `config`, or None

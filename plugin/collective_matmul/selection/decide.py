@@ -199,8 +199,7 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
   if reason is not None:
     return (_Verdict(f"pallas unavailable: {reason}", Impl.BASELINE, True),
             None, "")
-  slower = (applicability.unchecked_reason(problem) or
-            applicability.too_small_reason(config, problem, device.num_cores))
+  slower = applicability.too_small_reason(config, problem, device.num_cores)
   if slower is not None:
     return _Verdict(slower, Impl.BASELINE, False), config, source
   return None, config, source
