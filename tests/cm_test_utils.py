@@ -80,6 +80,12 @@ def kernel_configs(pattern):
         # Ping-pong warpgroups (one-device axis only), each on whole
         # 128 x 128 tiles; a one-slot epilogue too.
         "pingpong": ag(chain_tiles=True, pingpong=True),
+        # In the ring: the tiles forward from slots freed at once, or
+        # dedicated senders do.
+        "pingpong_eager": ag(chain_tiles=True, pingpong=True,
+                             eager_release=True),
+        "pingpong_senders": ag(chain_tiles=True, pingpong=True,
+                               sender_sms=4),
         "pingpong_one_slot": ag(chain_tiles=True, pingpong=True,
                                 epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                 max_concurrent_steps=5),

@@ -14,7 +14,9 @@ D = 2, 4 and 8 over the shapes of `tools/bench_gemm_core.py` (rows divided
 by D), in bf16, e4m3 x e4m3 (all-gather) and e5m2 x e4m3 (reduce-scatter)
 with a scale; each schedule of the kernel tests' configs (chained tiles,
 dedicated senders on and off, k-major sends, 64 x 256 warpgroup tiles,
-one-slot epilogues) at D = 2 and 4; shapes off the tiles in m, n and k;
+one-slot epilogues) at D = 2 and 4; ping-pong warpgroups (bf16 and fp8,
+128 and 192 wide, one-slot epilogues, senders) at D = 2, 4 and 8; shapes
+off the tiles in m, n and k;
 skewed ranks (unequal SM shares, one rank held back); and mutations that
 drop one wait or one signal of each kernel, which must make the case fail.
 
@@ -190,6 +192,48 @@ def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
             continue
           add(Case(f"{kind}/config/{label}/d{d}/{dtypes}", kind, d, 1024, 2048,
                    1024, dtypes, config, origin="kernel tests' configs"))
+  # 5. Ping-pong warpgroups in the rings (each tile run whole by one of
+  # the two, alternating; its owner sends and announces), 7-8 tiles per
+  # block at D = 2 (odd and even counts), D = 2, 4, 8.
+  ag_pp, rs_pp = kernels.AllGatherConfig, kernels.ReduceScatterConfig
+  pingpong = [
+      ("all_gather", "eager", "bf16",
+       ag_pp(chain_tiles=True, pingpong=True, eager_release=True)),
+      ("all_gather", "senders", "bf16",
+       ag_pp(chain_tiles=True, pingpong=True, sender_sms=4)),
+      ("all_gather", "192_eager", "fp8",
+       ag_pp(tile_k=128, tile_n=192, chain_tiles=True, pingpong=True,
+             eager_release=True)),
+      ("all_gather", "one_slot_eager", "fp8",
+       ag_pp(tile_k=128, chain_tiles=True, pingpong=True, eager_release=True,
+             epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+             max_concurrent_steps=5)),
+      ("reduce_scatter", "default", "bf16",
+       rs_pp(chain_tiles=True, pingpong=True)),
+      ("reduce_scatter", "192", "fp8",
+       rs_pp(tile_k=128, tile_n=192, chain_tiles=True, pingpong=True)),
+      ("reduce_scatter", "one_slot", "fp8",
+       rs_pp(tile_k=128, chain_tiles=True, pingpong=True, epi_tile_m=128,
+             epi_tile_n=128, epi_slots=1, max_concurrent_steps=5)),
+  ]
+  for kind, label, dtypes, config in pingpong:
+    n = 2304 if config.tile_n == 192 else 2048
+    for d in RANKS:
+      add(Case(f"{kind}/pingpong/{label}/d{d}/{dtypes}", kind, d, 2048, 1024,
+               n, dtypes, config, origin="ping-pong"))
+  add(Case("all_gather/pingpong/skew/d2/bf16", "all_gather", 2, 2048, 1024,
+           2048, "bf16", pingpong[0][3], shares=(50, 82),
+           delay_ns=(1_000_000, 0), origin="ping-pong"))
+  add(Case("reduce_scatter/pingpong/skew/d2/bf16", "reduce_scatter", 2, 2048,
+           1024, 2048, "bf16", pingpong[4][3], shares=(50, 82),
+           delay_ns=(0, 1_000_000), origin="ping-pong"))
+  for kind, config, site in (("all_gather", pingpong[0][3], "ag_tile_wait"),
+                             ("reduce_scatter", pingpong[4][3],
+                              "rs_partial_wait")):
+    add(Case(f"{kind}/pingpong/mutation/drop_wait", kind, 2, 2048, 1024,
+             2048, "bf16", config, drop=frozenset([site]),
+             delay_ns=(0, 2_000_000) if kind == "all_gather"
+             else (2_000_000, 0), expect_fail=True, origin="mutation"))
   # 4. Off the tiles in m, n and k (n padded), and n off the tiles left
   # to TMA (1088: a whole number of 64-column swizzle tiles), D = 2 and 8.
   for kind in ("all_gather", "reduce_scatter"):

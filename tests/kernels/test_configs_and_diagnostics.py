@@ -188,7 +188,16 @@ def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
   assert pingpong.smem_bytes(2, 2) == (4 * 64 * 256 * 2 + 2 * 2 * 64 * 64 * 2
                                        + configs.SMEM_RESERVE)
   assert configs.axis_reason(pingpong, 1) is None
-  assert "one-device axis" in configs.axis_reason(pingpong, 2)
+  # The all-gather's ring: its tiles must free the slots they forward
+  # from at once, or dedicated senders forward.
+  assert "needs eager_release=True" in configs.axis_reason(pingpong, 2)
+  for ring_ready in (kernels.AllGatherConfig(chain_tiles=True, pingpong=True,
+                                             eager_release=True),
+                     kernels.AllGatherConfig(chain_tiles=True, pingpong=True,
+                                             sender_sms=4),
+                     kernels.ReduceScatterConfig(chain_tiles=True,
+                                                 pingpong=True)):
+    assert configs.axis_reason(ring_ready, 4) is None
   assert configs.axis_reason(split, 2) is None
   with pytest.raises(ValueError, match="chain_tiles=True"):
     kernels.AllGatherConfig(pingpong=True)

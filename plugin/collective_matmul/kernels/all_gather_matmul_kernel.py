@@ -161,7 +161,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
     signal_at = jnp.minimum(last_send + send_gap, k_iters - 1)
 
     def forward_slices(kk, a_smem):
-      sender = forwards & (grid.wg_idx == 0)
+      sender = forwards & (grid.wg_idx == tile.lead_wg)
       sends_now = schedule.is_send_step(kk, n_idx, k_iters, per_sender,
                                         send_gap)
       if not eager:

@@ -98,18 +98,21 @@ def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
 
 def axis_reason(config, axis_size: int) -> str | None:
   """Why `config` cannot run on an axis of `axis_size` devices, or None:
-  2-block clusters (`TileConfig.cluster_dimension`) and ping-pong
-  warpgroups (`TileConfig.pingpong`) run on a one-device axis only (the
-  ring schedules neither pair their blocks nor hand a tile to one
-  warpgroup)."""
+  2-block clusters (`TileConfig.cluster_dimension`) run on a one-device
+  axis only (the ring schedules do not pair their blocks); ping-pong
+  warpgroups (`TileConfig.pingpong`) in the all-gather's ring need its
+  tiles to free each slot at once where they forward from it
+  (`eager_release`), or dedicated senders."""
   if axis_size == 1:
     return None
   if config.cluster_dimension is not None:
     return (f"cluster_dimension={config.cluster_dimension!r} runs on a "
             f"one-device axis only, not on {axis_size} devices")
-  if config.pingpong:
-    return (f"pingpong=True runs on a one-device axis only, not on "
-            f"{axis_size} devices")
+  if (config.pingpong and getattr(config, "sender_sms", None) == 0
+      and not config.eager_release):
+    return (f"pingpong=True in the all-gather's ring ({axis_size} devices) "
+            "needs eager_release=True or sender_sms > 0: its tiles forward "
+            "the shard from pipeline slots that ping-pong frees at once")
   return None
 
 
@@ -159,8 +162,9 @@ class TileConfig:
       slots, loaded in tile order (needs `chain_tiles`); the tile's owner
       frees each slot a step late (one stage less prefetch). With
       `cluster_dimension` the two blocks of a cluster run their paired
-      tiles on the same warpgroup. A one-device axis only for now
-      (`axis_reason`).
+      tiles on the same warpgroup. In the rings the tile's owner sends and
+      announces what the tile forwards (`axis_reason`: the all-gather's
+      tiles then need `eager_release`, or dedicated senders).
   """
 
   tile_m: int = 128

@@ -79,7 +79,8 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
     scratch_ref = ring.local(scratch_all)
     peer_scratch = ring.remote(scratch_all, send_to)
     # landed[s, i, j]: warpgroups whose half of tile (i, j)'s step-s partial
-    # sum reached this device's scratch slot s.
+    # sum reached this device's scratch slot s (with `pingpong` the one
+    # warpgroup that ran the whole tile: `Tile.warpgroups`).
     landed = ring.semaphores((axis_size - 1, grid.m_iters, grid.n_iters))
   else:
     dev = 0
@@ -120,12 +121,20 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
     wg_m, wg_n = tile.wg_m, tile.wg_n
     received = tile.scratch["received"]
     loop_info = tile.loop_info
-    is_last = loop_info.local_index == loop_info.num_local_steps - 1
+    # This warpgroup's tiles: every one of the block's, or with `pingpong`
+    # every other one (`Tile.stride`); its partial sums wait in its own
+    # epilogue slots until its next tile's k loop sends them.
+    stride = tile.stride
+    is_last = (loop_info.local_index == loop_info.num_local_steps - 1
+               if stride == 1 else
+               loop_info.local_index >= loop_info.num_local_steps - stride)
     if multi:
+      blocks = ring.blocks()
       prev_step, prev_m, prev_n = grid.coordinates(
-          loop_info.index[0] - ring.blocks())
-      # The previous tile (this block's) left a partial sum to send.
-      prev_sends = (loop_info.local_index > 0) & (prev_step < axis_size - 1)
+          loop_info.index[0] - (blocks if stride == 1 else stride * blocks))
+      # This warpgroup's previous tile left a partial sum to send.
+      prev_sends = ((loop_info.local_index > stride - 1)
+                    & (prev_step < axis_size - 1))
 
     def peer_slot(step, m_idx, n_idx, i):
       return (peer_scratch.at[step, pl.ds(m_idx * cta_tile_m, cta_tile_m),
@@ -160,7 +169,7 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
         @pl.when(step > 0)
         def _receive_partial():
           with tracing.phase("wait_partial_sum"):
-            ring.wait(landed, (step - 1, m_idx, n_idx), 2,
+            ring.wait(landed, (step - 1, m_idx, n_idx), tile.warpgroups,
                       "rs_partial_wait")
           for i in range(min(2, num_epi)):
             load_partial(i)

@@ -286,6 +286,34 @@ class Tile:
   scratch: dict[str, Any]
   scale: Any = None
 
+  @property
+  def owner(self):
+    """With `pingpong`, the compute warpgroup that runs this whole tile
+    (the block's tiles alternate between the two), else None (both run
+    their halves)."""
+    if not self.grid.config.pingpong:
+      return None
+    return lax.rem(self.loop_info.local_index, 2)
+
+  @property
+  def lead_wg(self):
+    """The compute warpgroup that speaks for the tile to the peer (sends
+    what the tile forwards, announces it): its owner, or warpgroup 0."""
+    owner = self.owner
+    return 0 if owner is None else owner
+
+  @property
+  def warpgroups(self) -> int:
+    """Compute warpgroups that work on the tile: 1 with `pingpong`, else 2
+    (each its half)."""
+    return 1 if self.grid.config.pingpong else 2
+
+  @property
+  def stride(self) -> int:
+    """How many of the block's tiles apart this warpgroup's consecutive
+    tiles are: 2 with `pingpong` (they alternate), else 1."""
+    return 2 if self.grid.config.pingpong else 1
+
   def accumulator(self, acc_ref):
     """The warpgroup's f32 accumulator, scaled (`scale`), in the out dtype."""
     acc = acc_ref[...]
@@ -512,8 +540,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
       def matmul(a_rows_ref, row):
         make_pipeline(mma_body, compute_context, n_idx, hooks.before_load,
                       loop_info.local_index * grid.k_iters,
-                      owner=(lax.rem(loop_info.local_index, 2)
-                             if config.pingpong else None))(
+                      owner=tile.owner)(
             a_rows_ref.at[pl.ds(row, cta_tile_m), :],
             b_columns(cta_n),
             allocations=pipeline_allocs)
