@@ -55,6 +55,16 @@ def test_virtual_ranks_refuse_what_cannot_run():
     peers.VirtualRanks(2, (100, 100)).launch_blocks(1, 132)
   with pytest.raises(ValueError, match="no block clusters"):
     peers.VirtualRanks.even(2, 132).launch_blocks(2, 132)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="stacked over 2 ranks"):
+    kernels.all_gather_lhs_matmul_virtual(
+        jnp.zeros((2, 128, 128)), jnp.zeros((3, 128, 128)),
+        peers.VirtualRanks.even(2, 132), config=kernels.AllGatherConfig())
+  with pytest.raises(TypeError, match="must be a peers.VirtualRanks"):
+    kernels.matmul_reduce_scatter_virtual(
+        jnp.zeros((2, 256, 128)), jnp.zeros((2, 128, 128)), None,
+        config=kernels.ReduceScatterConfig())
 
 
 @pytest.mark.parametrize("only", [["/default/", "/mutation/", "/skew/"],

@@ -381,12 +381,7 @@ def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
   Returns:
     `[D, D * m, n]`: rank r's output at `[r]`.
   """
-  if not isinstance(ranks, peers.VirtualRanks):
-    raise TypeError(f"ranks={ranks!r} must be a peers.VirtualRanks")
-  if lhs.ndim != 3 or rhs.ndim != 3 or {lhs.shape[0], rhs.shape[0]} != {
-      ranks.axis_size}:
-    raise ValueError(f"expected lhs and rhs stacked over {ranks.axis_size} "
-                     f"ranks, got {lhs.shape} and {rhs.shape}")
+  peers.check_stacked(ranks, lhs=lhs, rhs=rhs)
   return _launch(lhs, rhs, ranks, config=config, out_dtype=out_dtype,
                  rows_per_batch=rows_per_batch, rhs_layout=rhs_layout,
                  scale=scale)[0]

@@ -292,12 +292,7 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
   Returns:
     `[D, m, n]`: rank r's row block of the sum at `[r]`.
   """
-  if not isinstance(ranks, peers.VirtualRanks):
-    raise TypeError(f"ranks={ranks!r} must be a peers.VirtualRanks")
-  if x.ndim != 3 or w.ndim != 3 or {x.shape[0], w.shape[0]} != {
-      ranks.axis_size}:
-    raise ValueError(f"expected x and w stacked over {ranks.axis_size} "
-                     f"ranks, got {x.shape} and {w.shape}")
+  peers.check_stacked(ranks, x=x, w=w)
   return _launch(x, w, ranks, config=config, out_dtype=out_dtype,
                  rows_per_batch=rows_per_batch, w_layout=w_layout,
                  scale=scale, axis_label="the virtual ranks")

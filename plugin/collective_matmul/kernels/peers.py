@@ -229,3 +229,15 @@ class VirtualRanks:
     if site in self.drop:
       return
     pl.semaphore_signal(sems.at[(peer, *index)])
+
+
+def check_stacked(ranks, **operands):
+  """Checks a virtual-ranks entry point's arguments: `ranks` a
+  `VirtualRanks`, each operand stacked over its ranks (`[D, ...]`, 3-D)."""
+  if not isinstance(ranks, VirtualRanks):
+    raise TypeError(f"ranks={ranks!r} must be a peers.VirtualRanks")
+  if any(x.ndim != 3 or x.shape[0] != ranks.axis_size
+         for x in operands.values()):
+    shapes = ", ".join(f"{name} {x.shape}" for name, x in operands.items())
+    raise ValueError(f"expected {' and '.join(operands)} stacked over "
+                     f"{ranks.axis_size} ranks ([D, ...], 3-D), got {shapes}")
