@@ -50,6 +50,7 @@ from collective_matmul import override
 from collective_matmul import record
 from collective_matmul.integrations.maxtext import attention
 from collective_matmul.integrations.maxtext import projections
+from collective_matmul.integrations.maxtext import quantization
 
 # Versions whose private names this adapter was written against and tested
 # with (tests/integrations/maxtext). Others are refused, not guessed at,
@@ -101,6 +102,9 @@ _EXPECTED_PARAMETERS = (
         "model_mode")),
     ("attention_op", "tokamax_pallas_triton.PallasTritonFlashAttention",
      "at least", ()),
+    # Qwix's fp8_gpu: the ToNNX of Flax's fp8 op on a DenseGeneral.
+    ("quantizations", "_apply_linen_module_in_nnx", "exactly", (
+        "linen_module_cls", "op_id", "args", "kwargs")),
 )
 _TRAIN = "train"  # maxtext.common.common_types.MODEL_MODE_TRAIN
 # The decoder's output head with logits_via_embedding: the token embedding
@@ -179,7 +183,9 @@ def _maxtext_modules():
   from maxtext.layers import linears  # pylint: disable=g-import-not-at-top
   from maxtext.layers import moe  # pylint: disable=g-import-not-at-top
   from maxtext.layers import nnx_decoders  # pylint: disable=g-import-not-at-top
-  return linears, attentions, moe, nnx_decoders, attention_op, attention_mla
+  from maxtext.layers import quantizations  # pylint: disable=g-import-not-at-top
+  return (linears, attentions, moe, nnx_decoders, attention_op, attention_mla,
+          quantizations)
 
 
 def allow_untested_from_environment() -> bool:
@@ -220,7 +226,7 @@ def check_maxtext(allow_untested_version: bool | None = None) -> str:
         f"launcher or set {ALLOW_UNTESTED_ENV}=1; the signatures are still "
         "checked")
   modules = dict(zip(("linears", "attentions", "moe", "nnx_decoders",
-                      "attention_op", "attention_mla"),
+                      "attention_op", "attention_mla", "quantizations"),
                      _maxtext_modules()))
   for module_name, path, how, expected in _EXPECTED_PARAMETERS:
     target = modules[module_name]
@@ -278,8 +284,8 @@ def install(allow_untested_version: bool | None = None) -> str:
   version = check_maxtext(allow_untested_version)
   if is_installed():
     return version
-  linears, attentions, moe, nnx_decoders, _, attention_mla = (
-      _maxtext_modules())
+  (linears, attentions, moe, nnx_decoders, _, attention_mla,
+   quantizations) = _maxtext_modules()
   attention.install()
 
   def owner_call(kind, mode_of, details=lambda args, kwargs: {}, label=""):
@@ -361,6 +367,8 @@ def install(allow_untested_version: bool | None = None) -> str:
       "dense", lambda self, a, kw: None,
       lambda args, kw: {"inputs": argument(args, kw, 0, "inputs")}))
   _patch(linears, "_compute_dot_general_nnx", _make_dot_general_nnx)
+  _patch(quantizations, "_apply_linen_module_in_nnx",
+         quantization.make_apply_linen_module_in_nnx)
   return version
 
 
@@ -404,9 +412,17 @@ def _projection_name(owners, module) -> str | None:
   return "/".join(parts + [attr]) if attr else None
 
 
+def _qwix_mode(stack) -> quantization.QwixMode | None:
+  """The Qwix quantization of the innermost module's dot_general, or None;
+  its owners' MaxText config names the mode."""
+  return quantization.qwix_mode(
+      getattr(f.module, "config", None) for f in reversed(stack))
+
+
 def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
-                       native_fp8_compute):
-  """(reason or None, projection, name) for the innermost DenseGeneral."""
+                       native_fp8_compute, qwix):
+  """(reason or None, projection, name) for the innermost DenseGeneral;
+  `qwix`: its `_qwix_mode`."""
   dense = stack[-1].module
   kernel_axes = tuple(getattr(dense, "kernel_axes", ()) or ())
   owners = [f for f in stack[:-1] if f.kind != "dense"]
@@ -419,6 +435,9 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if (kernel_scale is not None or native_fp8_compute or
       "float8" in str(getattr(kernel, "dtype", ""))):
     return "fp8 weights", None, name
+  qwix = _qwix_mode(stack)
+  if qwix is not None and not qwix.served:
+    return f"quantized: {qwix.left_reason}", None, name
   if "EXPLICIT" in str(getattr(dense, "shard_mode", "")).upper():
     return ("shard_mode=explicit (the adapter serves MaxText's logical, "
             "Auto-sharded route)"), None, name
@@ -494,11 +513,10 @@ def _flax_fp8_op(quant_dot_general):
   return module if type(module) is nn.Fp8DirectDotGeneralOp else None
 
 
-def _served_fp8(quant_dot_general, inputs, kernel, dimension_numbers,
-                projection, name):
+def _served_fp8(quant_dot_general, call, projection, name):
   """MaxText's fp8 projection through `fp8.Fp8DirectDotGeneralOp`: the
-  `ToNNX` that holds Flax's op (its variables, MaxText's call) runs ours,
-  with the same fields and variables, for this call."""
+  `ToNNX` that holds Flax's op (its variables) runs ours, with the same
+  fields and variables, for `call()` (MaxText's call of it)."""
   from collective_matmul import fp8  # pylint: disable=g-import-not-at-top
   flax_op = _flax_fp8_op(quant_dot_general)
   ours = fp8.Fp8DirectDotGeneralOp(
@@ -511,10 +529,21 @@ def _served_fp8(quant_dot_general, inputs, kernel, dimension_numbers,
   # the call, past nnx's attribute checks, and put back.
   object.__setattr__(quant_dot_general, "to_nnx__module", ours)
   try:
-    return quant_dot_general(inputs, kernel, dimension_numbers,
-                             precision=None, mutable=["aqt"])
+    return call()
   finally:
     object.__setattr__(quant_dot_general, "to_nnx__module", flax_op)
+
+
+def _served_fp8_gpu(dense_general, maxtext_path, projection, name):
+  """Qwix's fp8_gpu projection: MaxText's path, in which Qwix's provider
+  finds the DenseGeneral's ToNNX of Flax's fp8 op, which runs ours
+  (`_served_fp8`) as `quantization=fp8`'s does."""
+  def serve(to_nnx, args):
+    return _served_fp8(to_nnx, functools.partial(
+        to_nnx, *args, **quantization.fp8_gpu_call_kwargs()), projection,
+                       name)
+  with quantization.serving_fp8_gpu(dense_general, serve):
+    return maxtext_path()
 
 
 def _make_dot_general_nnx(original):
@@ -534,10 +563,15 @@ def _make_dot_general_nnx(original):
     stack = _stack()
     captured = getattr(_local, "captured", None)
     if captured is not None:  # `_capture_call`: note the call, stand in.
+      qwix = _qwix_mode(stack)
+      reason, projection, name = _not_served_reason(
+          stack, inputs, kernel, quant_dot_general, kernel_scale,
+          native_fp8_compute, qwix)
+      if reason is None and qwix is not None:
+        reason = "Qwix fp8_gpu, served alone with its own fp8 scales"
       captured.append(_Captured(
           inputs, kernel, tuple(axis), tuple(contract_ind), matmul_precision,
-          *_not_served_reason(stack, inputs, kernel, quant_dot_general,
-                              kernel_scale, native_fp8_compute)))
+          reason, projection, name))
       result = jax.eval_shape(functools.partial(
           lax.dot_general, dimension_numbers=captured[-1].dimension_numbers),
           inputs, kernel)
@@ -551,21 +585,25 @@ def _make_dot_general_nnx(original):
       return maxtext_path()
     if stack[-1].kind != "dense":
       return maxtext_path()
+    qwix = _qwix_mode(stack)
     reason, projection, name = _not_served_reason(
         stack, inputs, kernel, quant_dot_general, kernel_scale,
-        native_fp8_compute)
+        native_fp8_compute, qwix)
     if reason is not None:
       record.record_not_served(
           name, f"left to MaxText: {reason}", lhs_shape=jnp.shape(inputs),
-          rhs_shape=jnp.shape(kernel), dtype=jnp.result_type(inputs))
+          rhs_shape=jnp.shape(kernel),
+          dtype=qwix.dtype if qwix else jnp.result_type(inputs))
       return maxtext_path()
     call = _Captured(inputs, kernel, tuple(axis), tuple(contract_ind),
                      matmul_precision, None, projection, name)
     if quant_dot_general is not None:  # Flax's fp8 op: each its own scales.
-      if initializing:
-        return maxtext_path()
-      return _served_fp8(quant_dot_general, inputs, kernel,
-                         call.dimension_numbers, projection, name)
+      return _served_fp8(quant_dot_general, functools.partial(
+          quant_dot_general, inputs, kernel, call.dimension_numbers,
+          precision=None, mutable=["aqt"]), projection, name)
+    if qwix is not None:  # Qwix's fp8_gpu: Flax's fp8 op, as above.
+      return _served_fp8_gpu(stack[-1].module, maxtext_path, projection,
+                             name)
     result, group_reason = _sibling_group(stack, call)
     if result is not None:
       return result
@@ -689,7 +727,12 @@ def _make_attend_on_embedding(original):
       return maxtext_path()
     table_shape = jnp.shape(embedding_table)
     reason = None
-    if "EXPLICIT" in str(getattr(config, "shard_mode", "")).upper():
+    qwix = _qwix_mode(stack)
+    if qwix is not None:
+      reason = "quantized: " + (qwix.left_reason or (
+          "Qwix fp8_gpu on the tied-embedding logits (its fp8 is served on "
+          "DenseGeneral projections only)"))
+    elif "EXPLICIT" in str(getattr(config, "shard_mode", "")).upper():
       reason = ("shard_mode=explicit (the adapter serves MaxText's logical, "
                 "Auto-sharded route)")
     elif stack[-1].model_mode != _TRAIN:
@@ -704,7 +747,7 @@ def _make_attend_on_embedding(original):
       record.record_not_served(
           _TIED_LOGITS, f"left to MaxText: {reason}",
           lhs_shape=jnp.shape(query), rhs_shape=table_shape,
-          dtype=jnp.result_type(query))
+          dtype=qwix.dtype if qwix else jnp.result_type(query))
       return maxtext_path()
     projection = projections.find_projection("decoder",
                                              projections.EMBEDDING_AXES)
