@@ -47,6 +47,7 @@ import numpy as np
 
 from collective_matmul import config as config_lib
 from collective_matmul import override
+from collective_matmul import record
 
 _E4M3 = jnp.float8_e4m3fn
 _E5M2 = jnp.float8_e5m2
@@ -141,7 +142,8 @@ class Fp8Dots:
   out_axes: the result's logical names (the forward's `out_axes`), or None.
   grad_axes: the cotangent's logical names (the dgrad's lhs).
   out_sharding: the forward's `out_sharding` (Explicit mode), or None.
-  name: labels the decision records (the dgrad's gets "/dgrad").
+  name: labels the decision records (the dgrad's gets
+    `record.GRADIENT_SUFFIX`).
   config: a `CollectiveMatmulConfig` instead of the active one.
   """
 
@@ -176,7 +178,8 @@ class Fp8Dots:
         q_g, q_rhs, dims, lax.Precision.HIGHEST, preferred_element_type,
         out_sharding, lhs_axes=self.grad_axes, rhs_axes=self.rhs_axes,
         out_axes=out_axes, name=None if self.name is None
-        else f"{self.name}/dgrad", config=self.config, scale=scale)
+        else self.name + record.GRADIENT_SUFFIX, config=self.config,
+        scale=scale)
     return lax.transpose(product, tuple(np.argsort(perm)))
 
   def wgrad(self, q_g, q_lhs, q_rhs, dimension_numbers,

@@ -19,6 +19,18 @@ from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 
 
+# A gradient's own matmul is recorded under its forward's name with this
+# suffix (fp8's dgrad: `fp8.Fp8Dots.dgrad`), so summaries count it apart
+# from the projections.
+GRADIENT_SUFFIX = "/dgrad"
+# What `format_decisions`' "[xN]" means, printed under it.
+REPEAT_NOTE = (
+    "[xN]: the same decision made N times, once per trace of that matmul: "
+    "in a scanned or rematerialized layer JAX traces a custom-gradient op "
+    "twice (its function, then its forward rule), and each unscanned layer "
+    "traces its own; one projection, not N")
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
   """What the override did with one `dot_general` at trace time.
@@ -146,6 +158,8 @@ def format_decisions(records: Sequence[Decision] | None = None) -> str:
            "rewritten" + (f" (each: {shared})" if shared else "")]
   lines += [f"  {line}" + (f"  [x{n}]" if n > 1 else "")
             for line, n in counts.items()]
+  if any(n > 1 for n in counts.values()):
+    lines.append(f"  {REPEAT_NOTE}")
   return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import quantization
 
 X3 = jnp.zeros((2, 8, 16))
 W = jnp.zeros((16, 32))
@@ -50,3 +51,56 @@ def test_other_quantizers_keep_maxtexts_path_and_are_named(quantizer,
       _mlp_stack(), X3, W, quantizer, None, False)
   assert projection is None
   assert reason == f"quantized (quant config: {expected})"
+
+
+def _qwix(left_reason=""):
+  return quantization.QwixMode("fp8_gpu" if not left_reason else "int8",
+                               rule=None, left_reason=left_reason,
+                               dtype="e4m3 x e4m3")
+
+
+def test_a_qwix_fp8_gpu_projection_is_served():
+  reason, projection, name = adapter._not_served_reason(
+      _mlp_stack(), X3, W, None, None, False, _qwix())
+  assert reason is None and projection is not None and name == "mlp/wi_0"
+
+
+def test_a_projection_under_another_qwix_mode_is_left_with_its_reason():
+  why = "Qwix quantization=int8 runs its own dot_general_qt (...)"
+  reason, projection, _ = adapter._not_served_reason(
+      _mlp_stack(), X3, W, None, None, False, _qwix(why))
+  assert projection is None and reason == f"quantized: {why}"
+
+
+def test_fp8_gpus_toNNX_runs_what_the_adapter_serves_once():
+  """MaxText's `_apply_linen_module_in_nnx` as patched: the projection's
+  own call of Flax's fp8 op is served; its first call (which creates the
+  ToNNX), other classes and later calls are MaxText's."""
+  original_calls = []
+
+  def original(cls, op_id, *args, **kwargs):
+    original_calls.append((cls, op_id))
+    return "maxtext"
+
+  apply = quantization.make_apply_linen_module_in_nnx(original)
+  dense = types.SimpleNamespace()
+  served = []
+  serve = lambda to_nnx, args: served.append((to_nnx, args)) or "ours"
+  with quantization.serving_fp8_gpu(dense, serve) as done:
+    # Not created yet: Qwix's first call, MaxText's code creates it.
+    assert apply(nn.Fp8DirectDotGeneralOp, "dot_general0", 1, 2, 3) == (
+        "maxtext")
+  assert not done and not served
+  dense._qwix_fp8_gpu_dot_general0 = "to_nnx"
+  with quantization.serving_fp8_gpu(dense, serve) as done:
+    assert apply(nn.NANOOFp8DotGeneralOp, "dot_general0", 1, 2, 3) == (
+        "maxtext")
+  assert not done
+  with quantization.serving_fp8_gpu(dense, serve) as done:
+    assert apply(nn.Fp8DirectDotGeneralOp, "dot_general0", 1, 2, 3,
+                 precision=None) == "ours"
+    assert apply(nn.Fp8DirectDotGeneralOp, "dot_general0", 1, 2, 3) == (
+        "maxtext")
+  assert done == [True] and served == [("to_nnx", (1, 2, 3))]
+  assert apply(nn.Fp8DirectDotGeneralOp, "dot_general0", 1, 2, 3) == "maxtext"
+  assert len(original_calls) == 4

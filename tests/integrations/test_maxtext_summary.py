@@ -136,3 +136,42 @@ def test_nothing_rewritten_for_reasons_no_mesh_explains_gives_no_hint():
 def test_no_hint_when_something_was_rewritten():
   records = [_rewritten("mlp/wi_0"), *_matcher_reasons(data=2, tensor=4)]
   assert summary.nothing_rewritten_hint(records) is None
+
+
+def _fp8(name, collective="all_gather", dtype="e4m3 x e4m3 -> bf16"):
+  return Decision(name=name, rewritten=True, impl="ring", reason="",
+                  lhs_shape=(8, 128, 256), rhs_shape=(256, 512), dtype=dtype,
+                  axis="tensor_sequence", collective=collective)
+
+
+def test_gradient_matmuls_are_counted_apart_from_the_projections():
+  records = [_fp8("mlp/wi_0"), _fp8("mlp/wo", "reduce_scatter"),
+             _fp8("mlp/wi_0/dgrad", "reduce_scatter", "e5m2 x e4m3 -> bf16"),
+             _fp8("mlp/wo/dgrad", dtype="e5m2 x e4m3 -> bf16")]
+  text = summary.summary(records, ON)
+  assert "rewritten: 2 of 2 projections" in text
+  assert "and 2 of 2 gradient matmuls (name/dgrad: " in text
+  projections, gradients = text.split("gradient matmuls")
+  assert "/dgrad" not in projections.split("\n", 1)[1]
+  assert "mlp/wi_0/dgrad" in gradients and "mlp/wo/dgrad" in gradients
+
+
+def test_fp8_siblings_say_why_they_are_not_grouped_with_the_bytes():
+  records = [_fp8("attention/query"), _fp8("attention/key"),
+             _fp8("attention/value"), _fp8("attention/out", "reduce_scatter")]
+  text = summary.summary(records, ON)
+  line = next(l for l in text.splitlines() if "fp8 siblings" in l)
+  # 8 x 128 x 256 = 256 Ki elements: one e4m3 byte each, two in bf16.
+  assert ("attention/query, attention/key, attention/value each all-gather "
+          "their own e4m3 activation 8x128x256, 3 x 256 KiB = 768 KiB") in line
+  assert "one grouped gather would send 256 KiB of e4m3" in line
+  assert "512 KiB of the bf16 activation" in line
+  assert "attention/out" not in line
+
+
+def test_format_decisions_explains_a_repeated_decision():
+  once = cm.format_decisions([_fp8("mlp/wi_0")])
+  assert "[x" not in once
+  twice = cm.format_decisions([_fp8("mlp/wi_0"), _fp8("mlp/wi_0")])
+  assert "  [x2]" in twice
+  assert twice.splitlines()[-1].startswith("  [xN]: the same decision made")

@@ -12,9 +12,12 @@ Served (training graphs, bf16/f32, the logical/Auto route): MlpBlock's
 wi_0 / wi_1 / fused wi (all-gather) and wo (matmul + reduce-scatter);
 Attention's query, key, value, fused qkv (all-gather) and out (matmul +
 reduce-scatter); the decoder's logits, dense or through the tied embedding
-(all-gather). Quantized, fp8, unknown and non-training projections, and a
-mixture-of-experts block's router gate and routed experts, take MaxText's
-own path, each recorded with its reason in `collective_matmul.decisions()`.
+(all-gather); with `quantization=fp8` or Qwix's `fp8_gpu`, the same
+projections in Flax's fp8 math on MaxText's fp8 state. Other quantization
+modes (Qwix's int8, fp8_full, ...; AQT), fp8 weights, unknown and
+non-training projections, and a mixture-of-experts block's router gate and
+routed experts, take MaxText's own path, each recorded with its reason in
+`collective_matmul.decisions()`.
 
 Separately, `--maxtext_shard_gpu_attention` (off by default; `attention.py`)
 runs MaxText's GPU flash attention per shard of batch and heads, where

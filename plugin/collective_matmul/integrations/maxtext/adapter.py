@@ -22,8 +22,10 @@ collective matmul at the first one's dot (`_sibling_group`); the later ones'
 dots are served its results. A projection of `quantization=fp8` (Flax's
 `Fp8DirectDotGeneralOp` in a `ToNNX`, MaxText's `quant_dot_general`) runs
 `fp8.Fp8DirectDotGeneralOp` on the same variables, alone (each has its own
-scales); other quantization modes keep MaxText's path, with the quantizer's
-class in the reason. Nothing is patched at parameter creation, so the
+scales), and so does one of Qwix's `fp8_gpu` (`quantization.py`, which also
+patches `quantizations._apply_linen_module_in_nnx`); Qwix's other modes and
+other quantizers keep MaxText's path, with the mode or the quantizer's class
+in the reason. Nothing is patched at parameter creation, so the
 parameter tree, initial values and checkpoints are MaxText's; with the
 plugin off (the configuration read at trace time) every call is MaxText's
 original function, so the program is bit-identical to stock MaxText.
@@ -420,7 +422,7 @@ def _qwix_mode(stack) -> quantization.QwixMode | None:
 
 
 def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
-                       native_fp8_compute, qwix):
+                       native_fp8_compute, qwix=None):
   """(reason or None, projection, name) for the innermost DenseGeneral;
   `qwix`: its `_qwix_mode`."""
   dense = stack[-1].module
@@ -435,7 +437,6 @@ def _not_served_reason(stack, inputs, kernel, quant_dot_general, kernel_scale,
   if (kernel_scale is not None or native_fp8_compute or
       "float8" in str(getattr(kernel, "dtype", ""))):
     return "fp8 weights", None, name
-  qwix = _qwix_mode(stack)
   if qwix is not None and not qwix.served:
     return f"quantized: {qwix.left_reason}", None, name
   if "EXPLICIT" in str(getattr(dense, "shard_mode", "")).upper():

@@ -9,6 +9,7 @@ tested without it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Sequence
 
@@ -16,6 +17,7 @@ from absl import flags
 
 from collective_matmul import config as config_lib
 from collective_matmul import record as record_lib
+from collective_matmul.enums import Collective
 
 ALLOW_UNTESTED_VERSION = flags.DEFINE_bool(
     "maxtext_allow_untested_version", False,
@@ -107,17 +109,22 @@ def summary(records: Sequence[record_lib.Decision],
   latest: dict[str, record_lib.Decision] = {}
   for record in records:
     latest[record.name or "dot_general"] = record
-  rewritten = {n: d for n, d in latest.items() if d.rewritten}
+  gradients = {n: d for n, d in latest.items()
+               if n.endswith(record_lib.GRADIENT_SUFFIX)}
+  projections = {n: d for n, d in latest.items() if n not in gradients}
+  rewritten = {n: d for n, d in projections.items() if d.rewritten}
   left = {n: d for n, d in latest.items() if not d.rewritten}
   lines = [head,
-           f"  rewritten: {len(rewritten)} of {len(latest)} projections"]
-  by_how: dict[tuple[str, str], list[str]] = {}
-  for name, decision in rewritten.items():
-    by_how.setdefault((decision.what_runs(), decision.reason),
-                      []).append(name)
-  for (how, reason), names in by_how.items():
-    lines.append(f"    -> {how}: {', '.join(names)}"
-                 + (f" ({reason})" if reason else ""))
+           f"  rewritten: {len(rewritten)} of {len(projections)} projections"]
+  lines += _by_how(rewritten)
+  lines += _fp8_siblings(rewritten)
+  if gradients:
+    served = {n: d for n, d in gradients.items() if d.rewritten}
+    lines.append(
+        f"  and {len(served)} of {len(gradients)} gradient matmuls "
+        f"(name{record_lib.GRADIENT_SUFFIX}: an fp8 projection's activation "
+        "gradient, a collective matmul of its own in the backward)")
+    lines += _by_how(served)
   by_reason: dict[str, list[str]] = {}
   for name, decision in left.items():
     by_reason.setdefault(decision.reason, []).append(name)
@@ -132,6 +139,57 @@ def summary(records: Sequence[record_lib.Decision],
   if not latest:
     lines.append("  no projection was traced with the plugin on")
   return "\n".join(lines)
+
+
+def _by_how(rewritten: dict[str, record_lib.Decision]) -> list[str]:
+  """One line per way of running, naming the projections run so."""
+  by_how: dict[tuple[str, str], list[str]] = {}
+  for name, decision in rewritten.items():
+    by_how.setdefault((decision.what_runs(), decision.reason),
+                      []).append(name)
+  return [f"    -> {how}: {', '.join(names)}"
+          + (f" ({reason})" if reason else "")
+          for (how, reason), names in by_how.items()]
+
+
+_ITEMSIZES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8}
+
+
+def _size(n: int) -> str:
+  for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if n >= size:
+      return f"{n / size:g} {unit}"
+  return f"{n} B"
+
+
+def _fp8_siblings(rewritten: dict[str, record_lib.Decision]) -> list[str]:
+  """Why fp8 projections of one activation (attention's query, key and
+  value; the MLP's wi_0 and wi_1) each gather it, with the bytes of each
+  choice."""
+  siblings: dict[tuple, list[str]] = {}
+  for name, decision in rewritten.items():
+    if (decision.dtype.startswith("e4m3") and not decision.group and
+        decision.collective == Collective.ALL_GATHER and "/" in name):
+      key = (name.rsplit("/", 1)[0], decision.lhs_shape, decision.dtype)
+      siblings.setdefault(key, []).append(name)
+  lines = []
+  for (_, shape, dtype), names in siblings.items():
+    if len(names) < 2:
+      continue
+    elements = math.prod(shape)
+    wide = dtype.rsplit("-> ", 1)[-1]
+    wide_bytes = elements * _ITEMSIZES.get(wide, 4)
+    lines.append(
+        f"    fp8 siblings not grouped: {', '.join(names)} each all-gather "
+        f"their own e4m3 activation {'x'.join(map(str, shape))}, "
+        f"{len(names)} x {_size(elements)} = {_size(len(names) * elements)}"
+        " a step (the whole activation; each device receives (D-1)/D of "
+        f"it); one grouped gather would send {_size(elements)} of e4m3 only "
+        "under one scale for all, where each fp8 projection keeps its own "
+        f"input scale (Flax's fp8 state), or {_size(wide_bytes)} of the "
+        f"{wide} activation quantized after the gather, which the fp8 "
+        "kernels do not do")
+  return lines
 
 
 def nothing_rewritten_hint(
