@@ -177,6 +177,11 @@ def _escape(text: str) -> str:
 
 
 _HEAD = re.compile(r"^  rewritten: (\d+) of (\d+) projections$")
+# fp8's gradient matmuls (`NAME/dgrad`), which the summary counts apart and
+# these tables count with the projections (each fp8 projection twice).
+_GRADIENTS = re.compile(r"^  and (\d+) of (\d+) gradient matmuls ")
+# A note under the served projections, not a kind of rewrite.
+_NOTE = "    fp8 siblings not grouped: "
 _SERVED = re.compile(r"^    -> (.*?): (.*?)(?: \((.*)\))?$")
 
 
@@ -193,8 +198,15 @@ def read_summary(block: Block, stdout: str) -> Coverage:
     if not line.startswith("  "):
       break
     head = _HEAD.match(line)
+    gradients = _GRADIENTS.match(line)
     if head:
       rewritten, total, section = int(head[1]), int(head[2]), "served"
+    elif gradients and rewritten is not None:
+      rewritten += int(gradients[1])
+      total += int(gradients[2])
+      section = "served"
+    elif line.startswith(_NOTE):
+      continue
     elif line.startswith("  left to MaxText / XLA"):
       section = "left"
     elif line.startswith("    ") and section == "served":

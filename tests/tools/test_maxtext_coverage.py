@@ -56,6 +56,29 @@ def test_the_row_lists_what_the_summary_served_and_left_with_reasons():
       f"gate ...<br>moe/wi_0, moe/wo: {experts} |")
 
 
+def test_fp8_gradient_matmuls_count_with_the_projections_in_the_table():
+  """The summary counts `NAME/dgrad` apart and notes fp8 siblings; the
+  tables count each fp8 projection twice, as their text says."""
+  def fp8(name, collective, dtype="e4m3 x e4m3 -> f32"):
+    return Decision(name=name, rewritten=True, impl="ring", reason=CPU,
+                    lhs_shape=(8, 128, 256), rhs_shape=(256, 512),
+                    dtype=dtype, axis="tensor_sequence",
+                    collective=collective)
+  records = [fp8("mlp/wi_0", "all_gather"), fp8("mlp/wi_1", "all_gather"),
+             fp8("mlp/wi_1/dgrad", "reduce_scatter", "e5m2 x e4m3 -> f32"),
+             fp8("mlp/wi_0/dgrad", "reduce_scatter", "e5m2 x e4m3 -> f32"),
+             _decision("moe/gate", False, "left to MaxText: the gate")]
+  stdout = _stdout(records)
+  assert "fp8 siblings not grouped" in stdout
+  coverage = maxtext_coverage.read_summary(BLOCK, stdout)
+  assert (coverage.rewritten, coverage.total) == (4, 5)
+  assert coverage.served == (
+      "mlp/wi_0, mlp/wi_1: ring over 'tensor_sequence'",
+      "mlp/wi_1/dgrad, mlp/wi_0/dgrad: ring over 'tensor_sequence' (matmul "
+      "+ reduce-scatter)")
+  assert coverage.left == ("moe/gate: left to MaxText: the gate",)
+
+
 def test_nothing_left_and_nothing_served_say_none():
   coverage = maxtext_coverage.read_summary(
       BLOCK, _stdout([_decision("mlp/wi_0", True, CPU, "all_gather")]))
