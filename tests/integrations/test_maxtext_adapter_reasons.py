@@ -5,7 +5,9 @@ import types
 import jax.numpy as jnp
 import pytest
 
-from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import dense as dense_lib
+from collective_matmul.integrations.maxtext import frames as frames_lib
+from collective_matmul.integrations.maxtext import owners
 from collective_matmul.integrations.maxtext import projections
 
 X3 = jnp.zeros((2, 8, 16))
@@ -17,15 +19,15 @@ def _stack(kernel_axes, owner="mlp", mode="train", attr="wi_0", moe=False,
   dense = types.SimpleNamespace(kernel_axes=kernel_axes,
                                 shard_mode=shard_mode)
   owner_module = types.SimpleNamespace(**{attr: dense})
-  frames = [adapter._Frame("moe", types.SimpleNamespace(
+  frames = [frames_lib.Frame("moe", types.SimpleNamespace(
       shared_experts=owner_module))] if moe else []
   if owner:
-    frames.append(adapter._Frame(owner, owner_module, mode))
-  return frames + [adapter._Frame("dense", dense)]
+    frames.append(frames_lib.Frame(owner, owner_module, mode))
+  return frames + [frames_lib.Frame("dense", dense)]
 
 
 def _reason(stack, inputs=X3, kernel=W, quant=None, scale=None, fp8=False):
-  return adapter._not_served_reason(stack, inputs, kernel, quant, scale, fp8)
+  return dense_lib.not_served_reason(stack, inputs, kernel, quant, scale, fp8)
 
 
 def test_a_known_training_projection_is_served_and_named():
@@ -118,10 +120,10 @@ def test_a_quantized_layers_construction_call_is_not_recorded():
   # record holds only what a step runs.
   import collective_matmul as cm  # pylint: disable=g-import-not-at-top
   calls = []
-  dot_general_nnx = adapter._make_dot_general_nnx(
+  dot_general_nnx = dense_lib.make_dot_general_nnx(
       lambda *args, **kwargs: calls.append(args) or "maxtext")
   cm.clear_decisions()
-  stack = adapter._stack()
+  stack = frames_lib.stack()
   stack[:] = _stack(("embed", "mlp"))
   try:
     with cm.config_context(cm.CollectiveMatmulConfig(enabled=True)):
@@ -183,9 +185,9 @@ def test_owners_of_one_kind_nested_are_one_name_part():
   gate = types.SimpleNamespace()
   routed = types.SimpleNamespace(gate=gate)
   outer = types.SimpleNamespace(MoeBlock_0=routed)
-  owners = [adapter._Frame("moe", outer), adapter._Frame("moe", routed)]
-  assert adapter._projection_name(owners, gate) == "moe/gate"
-  assert adapter._projection_name(owners, object()) is None
+  owners = [frames_lib.Frame("moe", outer), frames_lib.Frame("moe", routed)]
+  assert frames_lib.projection_name(owners, gate) == "moe/gate"
+  assert frames_lib.projection_name(owners, object()) is None
 
 
 @pytest.mark.parametrize("kernel_axes,attr,says", [
@@ -215,7 +217,7 @@ def test_a_test_layers_own_matmuls_are_recorded_as_left_in_chain_order():
     ff_1 = jnp.zeros((16, 64))
     ff_2 = jnp.zeros((64, 16))
 
-  call = adapter._make_own_matmul_layer_call(lambda self, x: "maxtext",
+  call = owners.make_own_matmul_layer_call(lambda self, x: "maxtext",
                                              weights=("ff_1", "ff_2"))
   cm.clear_decisions()
   with cm.config_context(cm.CollectiveMatmulConfig(enabled=True)):
@@ -246,14 +248,14 @@ def test_a_decoder_layers_own_projections_are_served_and_named_by_it():
 def test_a_layer_owner_is_not_part_of_nested_projections_names():
   stack = _stack(("embed", "mlp"))
   layer = types.SimpleNamespace(mlp=stack[0].module)
-  stack.insert(0, adapter._Frame("layer", layer, "train"))
+  stack.insert(0, frames_lib.Frame("layer", layer, "train"))
   _, projection, name = _reason(stack)
   assert name == "mlp/wi_0" and projection is not None
 
 
 def test_a_dense_inside_a_layer_but_not_its_own_is_left():
   stack = _stack(("embed", "mlp"), owner="layer")
-  stack[0] = adapter._Frame("layer", types.SimpleNamespace(), "train")
+  stack[0] = frames_lib.Frame("layer", types.SimpleNamespace(), "train")
   reason, projection, _ = _reason(stack)
   assert projection is None and "not one of its own projections" in reason
 
@@ -270,4 +272,4 @@ def test_an_mlp_block_without_a_model_mode_takes_maxtexts_call_mode(
   block = types.SimpleNamespace(
       model_mode=model_mode,
       config=types.SimpleNamespace(model_call_mode=model_call_mode))
-  assert adapter._mlp_model_mode(block) == expected
+  assert owners.mlp_model_mode(block) == expected

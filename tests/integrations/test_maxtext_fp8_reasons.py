@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import pytest
 
-from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import dense as dense_lib
+from collective_matmul.integrations.maxtext import frames as frames_lib
 from collective_matmul.integrations.maxtext import quantization
 
 X3 = jnp.zeros((2, 8, 16))
@@ -19,8 +20,8 @@ def _mlp_stack(attr="wi_0", kernel_axes=("embed", "mlp")):
   dense = types.SimpleNamespace(kernel_axes=kernel_axes,
                                 shard_mode="ShardMode.AUTO")
   owner = types.SimpleNamespace(**{attr: dense})
-  return [adapter._Frame("mlp", owner, "train"),
-          adapter._Frame("dense", dense)]
+  return [frames_lib.Frame("mlp", owner, "train"),
+          frames_lib.Frame("dense", dense)]
 
 
 def _to_nnx(module):
@@ -33,7 +34,7 @@ def _to_nnx(module):
     ("wi_0", ("embed", "mlp"), "all_gather"),
     ("wo", ("mlp", "embed"), "reduce_scatter")])
 def test_flax_fp8_projection_is_served(attr, kernel_axes, collective):
-  reason, projection, name = adapter._not_served_reason(
+  reason, projection, name = dense_lib.not_served_reason(
       _mlp_stack(attr, kernel_axes), X3, W,
       _to_nnx(nn.Fp8DirectDotGeneralOp()), None, False)
   assert reason is None and name == f"mlp/{attr}"
@@ -47,7 +48,7 @@ def test_flax_fp8_projection_is_served(attr, kernel_axes, collective):
 ])
 def test_other_quantizers_keep_maxtexts_path_and_are_named(quantizer,
                                                            expected):
-  reason, projection, _ = adapter._not_served_reason(
+  reason, projection, _ = dense_lib.not_served_reason(
       _mlp_stack(), X3, W, quantizer, None, False)
   assert projection is None
   assert reason == f"quantized (quant config: {expected})"
@@ -60,14 +61,14 @@ def _qwix(left_reason=""):
 
 
 def test_a_qwix_fp8_gpu_projection_is_served():
-  reason, projection, name = adapter._not_served_reason(
+  reason, projection, name = dense_lib.not_served_reason(
       _mlp_stack(), X3, W, None, None, False, _qwix())
   assert reason is None and projection is not None and name == "mlp/wi_0"
 
 
 def test_a_projection_under_another_qwix_mode_is_left_with_its_reason():
   why = "Qwix quantization=int8 runs its own dot_general_qt (...)"
-  reason, projection, _ = adapter._not_served_reason(
+  reason, projection, _ = dense_lib.not_served_reason(
       _mlp_stack(), X3, W, None, None, False, _qwix(why))
   assert projection is None and reason == f"quantized: {why}"
 

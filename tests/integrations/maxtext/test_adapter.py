@@ -63,6 +63,35 @@ def test_install_is_idempotent_and_uninstall_restores(linears):
   assert attention_op.tokamax_pallas_triton is triton
 
 
+def test_every_patched_name_is_one_the_install_checks(linears):
+  """The names install() patches are exactly the rows of the one table
+  (`adapter.PATCHES`) that are patched, each with its parameters checked:
+  a patch added without its check fails here."""
+  del linears  # Uninstalls after.
+  cm_maxtext.install()
+  patched = adapter.patched_names()
+  assert len(patched) == len(set(patched))
+  assert sorted(patched) == sorted(
+      row.name for row in adapter.PATCHES if row.make is not None)
+  for row in adapter.PATCHES:
+    if row.make is not None and row.name != (
+        "attention_op.tokamax_pallas_triton.PallasTritonFlashAttention"):
+      assert row.parameters, f"{row.name} is patched without a check"
+    owner, attr = row.owner()
+    if callable(row.make):
+      assert inspect.unwrap(getattr(owner, attr)) is not getattr(owner, attr)
+
+
+def test_no_patch_reads_an_argument_by_position():
+  """The patches read MaxText's arguments by parameter name."""
+  import re  # pylint: disable=g-import-not-at-top
+  from collective_matmul.integrations.maxtext import dense  # pylint: disable=g-import-not-at-top
+  from collective_matmul.integrations.maxtext import owners  # pylint: disable=g-import-not-at-top
+  for module in (adapter, dense, owners):
+    source = inspect.getsource(module)
+    assert not re.search(r"\bargs\[\d", source), module.__name__
+
+
 def _fake_version(monkeypatch, version="0.3.0.dev0"):
   monkeypatch.setattr(adapter.importlib.metadata, "version",
                       lambda name: version)

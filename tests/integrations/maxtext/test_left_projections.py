@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
-from collective_matmul.integrations.maxtext import adapter
+from collective_matmul.integrations.maxtext import dense as dense_lib
+from collective_matmul.integrations.maxtext import frames as frames_lib
 from collective_matmul.integrations.maxtext import projections
 
 X3 = jnp.zeros((2, 8, 16))
@@ -36,11 +37,11 @@ def _decide(owners, attr, kernel_axes, inputs=X3):
   module = types.SimpleNamespace(**{attr: dense})
   frames = []
   for kind, label, mode in reversed(owners):
-    frames.insert(0, adapter._Frame(kind, module, mode, label=label))
+    frames.insert(0, frames_lib.Frame(kind, module, mode, label=label))
     module = types.SimpleNamespace(inner=module)
   with nn.logical_axis_rules(_base_rules()):
-    return adapter._not_served_reason(
-        frames + [adapter._Frame("dense", dense)], inputs, W, None, None,
+    return dense_lib.not_served_reason(
+        frames + [frames_lib.Frame("dense", dense)], inputs, W, None, None,
         False)
 
 
@@ -69,7 +70,7 @@ def test_with_rules_that_shard_them_the_reason_says_they_are_untested():
   # 'gdn_head' first: Flax gives it its mesh axes before 'embed_attn'.
   rules = (("gdn_head", ("tensor", "tensor_sequence")),) + _base_rules()
   with nn.logical_axis_rules(rules):
-    reason = adapter._rules_unsharded_reason(
+    reason = dense_lib.rules_unsharded_reason(
         ("embed_attn", "gdn_head"), "it", 1, "output")
   assert reason.startswith("it: not served (tested only with MaxText's "
                            "default rules"), reason

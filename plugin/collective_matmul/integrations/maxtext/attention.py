@@ -217,6 +217,14 @@ def install(op_class: Callable[..., Any] | None = None) -> None:
   attention_op.AttentionOp.apply_attention = apply_attention
 
 
+def patched_names() -> tuple[str, ...]:
+  """The MaxText names `install` patched (none when not installed): its
+  flash attention call, and the tokamax op class it builds."""
+  return (("attention_op.AttentionOp.apply_attention",
+           "attention_op.tokamax_pallas_triton.PallasTritonFlashAttention")
+          if _originals else ())
+
+
 def uninstall() -> None:
   """Restores MaxText's own call."""
   if not _originals:
