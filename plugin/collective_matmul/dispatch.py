@@ -1,10 +1,11 @@
 """What runs for one collective matmul, forward only: the plan's `impl`
 (the XLA baseline, the portable `ppermute` ring or the Hopper kernel) with
-the plan's config, looked up in `IMPLEMENTATIONS`.
+the plan's config, looked up in `IMPLEMENTATIONS`, the kernels handed
+their operands in the plan's layouts.
 
 No differentiation here (`primitives` wraps these in the rules every JAX
-transformation needs) and no decision (the caller passes the plan's impl
-and config). Call inside `shard_map`.
+transformation needs) and no decision (the caller passes the plan). Call
+inside `shard_map`.
 """
 from __future__ import annotations
 
@@ -19,51 +20,44 @@ from collective_matmul import ring
 from collective_matmul import selection
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
-from collective_matmul.kernels import configs
+from collective_matmul.enums import RowLayout
+from collective_matmul.enums import WeightLayout
+from collective_matmul.plan import KernelPlan
 
 
-def _rows_layout(x, axis, config):
-  """How the 2-D kernels see `x[..., k]` split on dimension `axis`.
-
-  Returns (x2d, rows_per_batch, moved): with `moved` False, x2d is a free
-  reshape and `rows_per_batch` rows (dimension `axis` and everything after
-  it but k) form one contiguous run per leading index, which the kernels
-  address directly; else `axis` was moved first (a transposing copy), for
-  shapes whose runs do not fit the tiles.
-  """
-  rows = math.prod(x.shape[:-1])
-  per_batch = math.prod(x.shape[axis:-1])
-  if axis == 0 or selection.supports_rows_per_batch(config, rows, per_batch):
-    return x.reshape(rows, x.shape[-1]), per_batch, False
-  moved = jnp.moveaxis(x, axis, 0)
-  return moved.reshape(rows, x.shape[-1]), None, True
-
-
-def _weight_for_kernel(x, w, layout_arg, scale):
-  """(the weight as the kernels take it, the keywords that say how, each
-  passed only when set): `[k, n]` as given, or for fp8 operands `[n, k]`
-  with `layout_arg="nk"`, since 8-bit wgmma operands are read K-major (a
-  weight that arrives as the transpose of a K-major array, the dgrad's
-  `w.T`, becomes that array again: XLA folds the two transposes); and the
-  `scale`."""
+def _weight_for_kernel(w, layout: WeightLayout, scale, keyword):
+  """(the weight as the kernels take it in `layout`, the keywords that say
+  how, each passed only when set): `[k, n]` as given, or `[n, k]` (K-major:
+  a weight that arrives as the transpose of a K-major array, the dgrad's
+  `w.T`, becomes that array again, XLA folding the two transposes); and
+  the `scale`."""
   options = {} if scale is None else {"scale": scale}
-  if configs.is_fp8(x.dtype) or configs.is_fp8(w.dtype):
-    return w.T, dict(options, **{layout_arg: "nk"})
+  if layout == WeightLayout.NK:
+    return w.T, dict(options, **{keyword: layout.value})
   return w, options
 
 
-def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
-                              preferred_element_type, return_gathered, scale):
+def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, plan: KernelPlan,
+                              precision, preferred_element_type,
+                              return_gathered, scale):
   # bf16/f16 and fp8 operands always accumulate in f32 on the MMA unit:
   # precision has nothing to select. The kernel hands back the shards it
   # received.
   del precision
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = lax.axis_size(axis_name)
-  x2d, per_batch, moved = _rows_layout(x, gather_axis, config)
-  w_kernel, options = _weight_for_kernel(x, w, "rhs_layout", scale)
+  rows = math.prod(x.shape[:-1])
+  moved = plan.row_layout == RowLayout.AXIS_FIRST
+  if moved:
+    x2d, per_batch = jnp.moveaxis(x, gather_axis, 0).reshape(
+        rows, x.shape[-1]), None
+  else:
+    x2d, per_batch = x.reshape(rows, x.shape[-1]), math.prod(
+        x.shape[gather_axis:-1])
+  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale,
+                                        "rhs_layout")
   result = kernels.all_gather_lhs_matmul(
-      x2d, w_kernel, axis_name, config=config,
+      x2d, w_kernel, axis_name, config=plan.config,
       out_dtype=preferred_element_type, rows_per_batch=per_batch,
       return_gathered=return_gathered, **options)
   out2d, held = result if return_gathered else (result, None)
@@ -88,29 +82,30 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
   return out, gathered.reshape(gathered_shape)
 
 
-def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
-                                  precision, preferred_element_type, scale):
+def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
+                                  plan: KernelPlan, precision,
+                                  preferred_element_type, scale):
   del precision  # As for the all-gather kernel.
   from collective_matmul import kernels  # Imports Pallas Mosaic GPU lazily.
   axis_size = ring.check_row_blocks(x, scatter_axis, axis_name)
-  # Runs of rows are addressed per row block, so they must fit one block.
-  per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
   rows = math.prod(x.shape[:-1])
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
-  w_kernel, options = _weight_for_kernel(x, w, "w_layout", scale)
-  if scatter_axis == 0 or selection.supports_rows_per_batch(
-      config, rows // axis_size, per_block):
+  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale,
+                                        "w_layout")
+  if plan.row_layout == RowLayout.AS_GIVEN:
+    # Runs of rows are addressed per row block, so they must fit one block.
+    per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size
     out2d = kernels.matmul_reduce_scatter(
-        x.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
-        out_dtype=preferred_element_type, rows_per_batch=per_block,
-        **options)
+        x.reshape(rows, x.shape[-1]), w_kernel, axis_name,
+        config=plan.config, out_dtype=preferred_element_type,
+        rows_per_batch=per_block, **options)
     return out2d.reshape(out_shape)
   moved = jnp.moveaxis(x, scatter_axis, 0)
   lead = moved.shape[:-1]
   out2d = kernels.matmul_reduce_scatter(
-      moved.reshape(rows, x.shape[-1]), w_kernel, axis_name, config=config,
-      out_dtype=preferred_element_type, **options)
+      moved.reshape(rows, x.shape[-1]), w_kernel, axis_name,
+      config=plan.config, out_dtype=preferred_element_type, **options)
   out = out2d.reshape((lead[0] // axis_size,) + lead[1:] + (w.shape[1],))
   return jnp.moveaxis(out, 0, scatter_axis)
 
@@ -126,50 +121,50 @@ def contract_leading(a, b, precision):
       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
 
 
-def _baseline_all_gather_matmul(x, w, axis_name, gather_axis, config,
+def _baseline_all_gather_matmul(x, w, axis_name, gather_axis, plan,
                                 precision, preferred_element_type,
                                 return_gathered, scale):
-  del config  # The baseline has none.
+  del plan  # The baseline has no config.
   return ring.baseline_all_gather_matmul(
       x, w, axis_name, gather_axis=gather_axis, precision=precision,
       preferred_element_type=preferred_element_type,
       return_gathered=return_gathered, scale=scale)
 
 
-def _baseline_matmul_reduce_scatter(x, w, axis_name, scatter_axis, config,
+def _baseline_matmul_reduce_scatter(x, w, axis_name, scatter_axis, plan,
                                     precision, preferred_element_type, scale):
-  del config  # The baseline has none.
+  del plan  # The baseline has no config.
   return ring.baseline_matmul_reduce_scatter(
       x, w, axis_name, scatter_axis=scatter_axis, precision=precision,
       preferred_element_type=preferred_element_type, scale=scale)
 
 
-def _ring_all_gather_matmul(x, w, axis_name, gather_axis,
-                            config: ring.RingConfig, precision,
-                            preferred_element_type, return_gathered, scale):
+def _ring_all_gather_matmul(x, w, axis_name, gather_axis, plan: KernelPlan,
+                            precision, preferred_element_type,
+                            return_gathered, scale):
   return ring.ring_all_gather_matmul(
       x, w, axis_name, gather_axis=gather_axis,
-      bidirectional=config.bidirectional, precision=precision,
+      bidirectional=plan.config.bidirectional, precision=precision,
       preferred_element_type=preferred_element_type,
       return_gathered=return_gathered, scale=scale)
 
 
 def _ring_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
-                                config: ring.RingConfig, precision,
+                                plan: KernelPlan, precision,
                                 preferred_element_type, scale):
   return ring.ring_matmul_reduce_scatter(
       x, w, axis_name, scatter_axis=scatter_axis,
-      bidirectional=config.bidirectional, precision=precision,
+      bidirectional=plan.config.bidirectional, precision=precision,
       preferred_element_type=preferred_element_type, scale=scale)
 
 
 class Implementation(NamedTuple):
-  """One implementation's forward for each collective, given the plan's
-  config for it:
+  """One implementation's forward for each collective, run as the plan
+  says (its config; for the kernels, how they take the operands):
 
-    all_gather_matmul(x, w, axis_name, gather_axis, config, precision,
+    all_gather_matmul(x, w, axis_name, gather_axis, plan, precision,
                       preferred_element_type, return_gathered, scale)
-    matmul_reduce_scatter(x, w, axis_name, scatter_axis, config, precision,
+    matmul_reduce_scatter(x, w, axis_name, scatter_axis, plan, precision,
                           preferred_element_type, scale)
 
   `scale`: None, or a float32 scalar multiplying the f32 accumulation
@@ -190,22 +185,22 @@ IMPLEMENTATIONS = types.MappingProxyType({
 })
 
 
-def collective_matmul(collective: Collective, impl: Impl, config, x, w,
+def collective_matmul(collective: Collective, plan: KernelPlan, x, w,
                       axis_name, axis, precision, preferred_element_type,
                       return_gathered: bool = False, scale=None):
-  """`collective`'s matmul by `impl` with its `config`: the product (times
+  """`collective`'s matmul as the forward of `plan` says: the product (times
   `scale`, applied to the f32 accumulation), or `(product, all_gather(x))`
   with `return_gathered` (all-gather only). `axis` is the gathered or the
   scattered dimension of `x`."""
-  implementation = IMPLEMENTATIONS[impl]
+  implementation = IMPLEMENTATIONS[plan.impl]
   if collective == Collective.ALL_GATHER:
     return implementation.all_gather_matmul(
-        x, w, axis_name, axis, config, precision, preferred_element_type,
+        x, w, axis_name, axis, plan, precision, preferred_element_type,
         return_gathered, scale)
   if return_gathered:
     raise ValueError("only the all-gather matmul gathers its operand")
   return implementation.matmul_reduce_scatter(
-      x, w, axis_name, axis, config, precision, preferred_element_type,
+      x, w, axis_name, axis, plan, precision, preferred_element_type,
       scale)
 
 

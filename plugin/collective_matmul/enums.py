@@ -63,3 +63,18 @@ class MatmulDimension(_Vocabulary):
 
   M = "m"  # Rows.
   N = "n"  # Columns.
+
+
+class WeightLayout(_Vocabulary):
+  """How a kernel is handed its weight."""
+
+  KN = "kn"  # [k, n], as the matmul names it.
+  NK = "nk"  # [n, k], K-major (8-bit wgmma operands are read so).
+
+
+class RowLayout(_Vocabulary):
+  """How a kernel sees the rows of an operand split on a dimension other
+  than the first (`[b, s, k]` split on `s`)."""
+
+  AS_GIVEN = "as_given"  # A free reshape; each run of rows addressed.
+  AXIS_FIRST = "axis_first"  # The split dimension moved first (a copy).

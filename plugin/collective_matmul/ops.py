@@ -1,7 +1,7 @@
 """Differentiable collective matmuls, one entry point per collective.
 
 Call these inside `shard_map` (over at least `axis_name`). What runs is a
-`selection.KernelPlan`, carried as the ops' one static argument: the drop-in
+`plan.KernelPlan`, carried as the ops' one static argument: the drop-in
 `dot_general` passes the plan it chose and recorded; a direct call without
 one gets it from `selection.choose`, once, at the public op, from its
 `impl` argument (`pallas`: the Hopper kernel, `ring`: the portable
@@ -24,11 +24,11 @@ composes through them: `grad` (the other collective in the backward),
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jax import lax
 import jax.numpy as jnp
 
+from collective_matmul import plan as plan_lib
 from collective_matmul import primitives
 from collective_matmul import selection
 from collective_matmul.enums import Collective
@@ -66,14 +66,15 @@ def _check_scale(scale, x):
   return scale
 
 
-def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
-          bidirectional, backward_impl, preferred_element_type, plan):
+def _plan(collective: Collective, x, w, axis, axis_name, impl,
+          kernel_config, bidirectional, backward_impl, preferred_element_type,
+          plan):
   """The plan a public op runs: the caller's `plan`, else `selection.choose`
   for these operands from `impl` (and `kernel_config`, `bidirectional`,
   `backward_impl`)."""
   if plan is not None:
-    if not isinstance(plan, selection.KernelPlan):
-      raise TypeError(f"plan must be a selection.KernelPlan, got {plan!r}")
+    if not isinstance(plan, plan_lib.KernelPlan):
+      raise TypeError(f"plan must be a plan.KernelPlan, got {plan!r}")
     if (impl, kernel_config, bidirectional, backward_impl) != (
         None, None, None, None):
       raise TypeError("give either plan or impl/kernel_config/"
@@ -83,15 +84,14 @@ def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
   backward_impl = (None if backward_impl is None else
                    Impl.parse(backward_impl, "backward_impl", OP_IMPLS))
   axis_size = lax.axis_size(axis_name)
-  rows = math.prod(x.shape[:-1])
-  if collective == Collective.REDUCE_SCATTER:
-    rows //= axis_size  # The kernels see the rows after the scatter.
+  rows, rows_per_batch = plan_lib.kernel_rows(collective, x.shape, axis,
+                                              axis_size)
   problem = selection.Problem(
       max(1, rows), max(1, x.shape[-1]), max(1, w.shape[-1]),
       jnp.dtype(x.dtype), axis_size,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type),
-      None if w.dtype == x.dtype else jnp.dtype(w.dtype))
+      None if w.dtype == x.dtype else jnp.dtype(w.dtype), rows_per_batch)
   device = selection.device_facts()
   options = selection.Options(
       bidirectional=True if bidirectional is None else bidirectional)
@@ -117,7 +117,9 @@ def _plan(collective: Collective, x, w, axis_name, impl, kernel_config,
                      f"{back.reason}")
   return dataclasses.replace(chosen, backward_impl=Impl.PALLAS,
                              backward_config=back.config,
-                             backward_source=back.source)
+                             backward_source=back.source,
+                             backward_row_layout=back.row_layout,
+                             backward_weight_layout=back.weight_layout)
 
 
 _PLAN_ARGS_DOC = """
@@ -128,7 +130,7 @@ _PLAN_ARGS_DOC = """
       the shape (`selection.config_for`).
     backward_impl: implementation of the backward's collective matmul, or
       None for `impl`'s choice.
-    plan: a `selection.KernelPlan` (what the drop-in `dot_general` chose),
+    plan: a `plan.KernelPlan` (what the drop-in `dot_general` chose),
       instead of `impl`, `kernel_config`, `bidirectional` and
       `backward_impl`.
     scale: None, or a float32 scalar (shape `()`, the same on every device
@@ -146,7 +148,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       precision=None, preferred_element_type=None,
                       kernel_config=None, save_gathered: bool = True,
                       backward_impl: Impl | str | None = None,
-                      plan: selection.KernelPlan | None = None,
+                      plan: plan_lib.KernelPlan | None = None,
                       scale=None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped
   (times `scale`).
@@ -176,8 +178,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   """
   _check_operands(x, w, gather_axis, "gather_axis")
   scale = _check_scale(scale, x)
-  plan = _plan(Collective.ALL_GATHER, x, w, axis_name, impl, kernel_config,
-               bidirectional, backward_impl, preferred_element_type, plan)
+  plan = _plan(Collective.ALL_GATHER, x, w, gather_axis, axis_name, impl,
+               kernel_config, bidirectional, backward_impl,
+               preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
       Collective.ALL_GATHER, axis_name, gather_axis, plan, precision,
       preferred_element_type, save_gathered), scale=scale)[0]
@@ -189,7 +192,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           precision=None, preferred_element_type=None,
                           kernel_config=None, save_gathered: bool = True,
                           backward_impl: Impl | str | None = None,
-                          plan: selection.KernelPlan | None = None,
+                          plan: plan_lib.KernelPlan | None = None,
                           scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
   tiled=True)`, overlapped (times `scale`).
@@ -226,8 +229,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
   """
   _check_operands(x, w, scatter_axis, "scatter_axis")
   scale = _check_scale(scale, x)
-  plan = _plan(Collective.REDUCE_SCATTER, x, w, axis_name, impl,
-               kernel_config, bidirectional, backward_impl,
+  plan = _plan(Collective.REDUCE_SCATTER, x, w, scatter_axis, axis_name,
+               impl, kernel_config, bidirectional, backward_impl,
                preferred_element_type, plan)
   return primitives.collective_matmul(x, w, primitives.Static(
       Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, precision,

@@ -24,9 +24,11 @@ import numpy as np
 from collective_matmul import config as config_lib
 from collective_matmul import ops
 from collective_matmul import patterns
+from collective_matmul import plan as plan_lib
 from collective_matmul import record as record_lib
 from collective_matmul import selection
 from collective_matmul.enums import Collective
+from collective_matmul.plan import KernelPlan
 from collective_matmul.record import Decision
 
 SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
@@ -127,36 +129,38 @@ def _logical_specs(lhs, rhs, lhs_axes, rhs_axes):
           patterns.normalize_spec(nn.logical_to_mesh_axes(rhs_axes), rhs.ndim))
 
 
-def _local_sizes(match, lhs, rhs, dimension_numbers, mesh):
-  """Per-device (rows, k, n) of the 2-D problem the kernels would see.
+def _collective_axis(match, lhs_free) -> int:
+  """The dimension of the canonical lhs (`_canonical_lhs`) the collective
+  gathers or scatters."""
+  if match.collective == Collective.REDUCE_SCATTER:
+    return match.out_scatter_dim
+  return lhs_free.index(match.lhs_gather_dim)
 
-  rows: the lhs shard's rows before the all-gather, or after the
-  reduce-scatter; k: the local contraction; n: the local output columns.
-  """
+
+def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
+                preferred_element_type) -> KernelPlan:
+  """The kernel plan for a matched pattern: `selection.choose` from the
+  configuration, the per-shard problem the kernels would see (the lhs's
+  local shard as x[free..., k], the local columns of the rhs) and the
+  mesh's device facts."""
   (lhs_contract, rhs_contract), _ = dimension_numbers
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   local = lambda shape, spec, d: shape[d] // math.prod(
       sizes[a] for a in spec[d])
+  lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
   k = math.prod(local(lhs.shape, match.lhs_spec, d) for d in lhs_contract)
-  rows = math.prod(local(lhs.shape, match.lhs_spec, d)
-                   for d in range(lhs.ndim) if d not in lhs_contract)
   n = math.prod(local(rhs.shape, match.rhs_spec, d)
                 for d in range(rhs.ndim) if d not in rhs_contract)
-  if match.collective == Collective.REDUCE_SCATTER:
-    rows //= match.axis_size  # Rows are full before the scatter.
-  return rows, k, n
-
-
-def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
-                preferred_element_type) -> selection.KernelPlan:
-  """The kernel plan for a matched pattern: `selection.choose` from the
-  configuration, the per-shard sizes and the mesh's device facts."""
-  rows, k, n = _local_sizes(match, lhs, rhs, dimension_numbers, mesh)
+  x_shape = [local(lhs.shape, match.lhs_spec, d) for d in lhs_free] + [k]
+  rows, rows_per_batch = plan_lib.kernel_rows(
+      match.collective, x_shape, _collective_axis(match, lhs_free),
+      match.axis_size)
   problem = selection.Problem(
       rows, k, n, jnp.dtype(lhs.dtype), match.axis_size,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type),
-      None if rhs.dtype == lhs.dtype else jnp.dtype(rhs.dtype))
+      None if rhs.dtype == lhs.dtype else jnp.dtype(rhs.dtype),
+      rows_per_batch)
   return selection.choose(
       cfg.impl, match.collective, problem, selection.device_facts(mesh),
       selection.Options(fallback_impl=cfg.fallback_impl,
@@ -182,7 +186,7 @@ def _canonical_rhs(rhs_block, rhs_contract):
   return w.reshape(math.prod(w.shape[:len(rhs_contract)]), -1), free_shape
 
 
-def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
+def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
             dimension_numbers, precision, preferred_element_type,
             save_gathered: bool, scale=None) -> list[jax.Array]:
   """Matched `dot_general`s of one activation as ONE collective op in a
@@ -203,10 +207,10 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: selection.KernelPlan,
     if len(calls) > 1:
       raise ValueError("only all-gather matches share one collective matmul")
     op = functools.partial(ops.matmul_reduce_scatter,
-                           scatter_axis=match.out_scatter_dim)
+                           scatter_axis=_collective_axis(match, lhs_free))
   else:
     op = functools.partial(ops.all_gather_matmul,
-                           gather_axis=lhs_free.index(match.lhs_gather_dim))
+                           gather_axis=_collective_axis(match, lhs_free))
 
   def body(lhs_block, *rhs_blocks):
     scale_block = None
@@ -277,7 +281,7 @@ class CallPlan:
   match: patterns.Match | None = None
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
-  def with_plan(self, plan: selection.KernelPlan, **decision) -> CallPlan:
+  def with_plan(self, plan: KernelPlan, **decision) -> CallPlan:
     """This call served by `plan` (its decision says so), with further
     `decision` fields (a group's names)."""
     return dataclasses.replace(

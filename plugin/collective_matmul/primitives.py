@@ -47,8 +47,8 @@ from jax.interpreters import partial_eval as pe
 import jax.numpy as jnp
 
 from collective_matmul import dispatch
+from collective_matmul import plan as plan_lib
 from collective_matmul import ring
-from collective_matmul import selection
 from collective_matmul.enums import Collective
 
 
@@ -66,7 +66,7 @@ class Static:
   collective: Collective
   axis_name: Any
   axis: int
-  plan: selection.KernelPlan
+  plan: plan_lib.KernelPlan
   precision: Any
   preferred_element_type: Any
   save_gathered: bool
@@ -93,7 +93,7 @@ def _forward(static: Static, return_gathered: bool):
 
   def run(x, w, *scale):
     out = dispatch.collective_matmul(
-        static.collective, static.plan.impl, static.plan.config, x, w,
+        static.collective, static.plan, x, w,
         static.axis_name, static.axis, static.precision,
         static.preferred_element_type, return_gathered,
         scale[0] if scale else None)
@@ -183,10 +183,14 @@ def _collective_matmul_batch(args, dims, *, static, return_gathered,
   scale = scale[0] if scale else None
   bs = bs[0] if bs else None
   if bw is None and bs is None:
-    # A new leading dimension of x, before the gathered/scattered one.
+    # A new leading dimension of x, before the gathered/scattered one: the
+    # kernels see its rows in runs (the plan's row layouts again).
     x = jnp.moveaxis(x, bx, 0)
+    rows = plan_lib.kernel_rows(static.collective, x.shape, static.axis + 1,
+                                lax.axis_size(static.axis_name))
     outs = collective_matmul(
-        x, w, dataclasses.replace(static, axis=static.axis + 1),
+        x, w, dataclasses.replace(static, axis=static.axis + 1,
+                                  plan=static.plan.for_rows(*rows)),
         return_gathered, scale)
     return outs, [0] * len(outs)
   if bx is None and bs is None:

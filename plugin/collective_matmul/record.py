@@ -14,7 +14,7 @@ from typing import Sequence
 
 from absl import logging
 
-from collective_matmul import selection
+from collective_matmul.plan import KernelPlan
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
 
@@ -59,7 +59,7 @@ class Decision:
   group: tuple[str | None, ...] = ()
   # Why a projection given with siblings was not grouped with them.
   group_reason: str = ""
-  plan: selection.KernelPlan | None = None
+  plan: KernelPlan | None = None
 
   def __post_init__(self):
     for name, vocabulary in (("impl", Impl), ("backward_impl", Impl),

@@ -113,7 +113,7 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
   plans = []
 
   def plan_only(a, b):
-    plans.append(ops._plan(Collective.ALL_GATHER, a, b, "x", "pallas",  # pylint: disable=protected-access
+    plans.append(ops._plan(Collective.ALL_GATHER, a, b, 0, "x", "pallas",  # pylint: disable=protected-access
                            None, None, None, None, None))
     return a
   trace(plan_only)

@@ -22,7 +22,7 @@ LAYERS = [
     {"kernels"},
     {"selection.problem"},
     {"selection.device", "selection.tuned", "ring", "patterns", "config"},
-    {"selection.applicability"},
+    {"selection.applicability", "plan"},
     {"selection.heuristics"},
     {"selection.decide"},
     {"selection"},

@@ -9,8 +9,9 @@ The layer between the kernels and the ops, one module per role:
 * `heuristics`: what is tried and how a config is picked where nothing
   measured applies;
 * `tuned`: the measured configs (per-host autotune cache, packaged table);
-* `decide`: `choose`, the one decision, returning a `KernelPlan` (forward
-  and backward implementation, config and its source, the reason).
+* `decide`: `choose`, the one decision, returning a `plan.KernelPlan`
+  (forward and backward implementation, config and its source, the
+  operands' layouts, the reason).
 
 Pure Python: it reads `kernels.configs` and `kernels.schedule` (no Pallas),
 so `import collective_matmul` does not import Mosaic GPU. The decision
@@ -25,6 +26,8 @@ from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.schedule import padding
 from collective_matmul.kernels.schedule import supports_rows_per_batch
+from collective_matmul.plan import KernelPlan
+from collective_matmul.plan import config_label
 from collective_matmul.enums import Collective
 from collective_matmul.selection.applicability import COMMAND_BUFFER_FLAG
 from collective_matmul.selection.applicability import SMALL_BOXES
@@ -37,11 +40,9 @@ from collective_matmul.selection.applicability import too_small_reason
 from collective_matmul.selection.applicability import unsupported_reason
 from collective_matmul.selection.decide import CALLER
 from collective_matmul.selection.decide import HEURISTIC
-from collective_matmul.selection.decide import KernelPlan
 from collective_matmul.selection.decide import Options
 from collective_matmul.selection.decide import choose
 from collective_matmul.selection.decide import config_for
-from collective_matmul.selection.decide import config_label
 from collective_matmul.selection.decide import heuristic_config
 from collective_matmul.selection.device import DeviceFacts
 from collective_matmul.selection.device import HOPPER_DEVICE_KINDS

@@ -1,5 +1,5 @@
 """The one decision: which implementation and config serve a collective
-matmul, forward and backward (`choose` -> `KernelPlan`).
+matmul, forward and backward (`choose` -> `plan.KernelPlan`).
 
 `choose` is called once per matmul, by the drop-in `dot_general` (or by a
 public op called without a plan); the plan then travels down to the ops and
@@ -12,7 +12,9 @@ from typing import NamedTuple
 
 from collective_matmul.enums import Collective
 from collective_matmul.enums import Impl
+from collective_matmul.enums import WeightLayout
 from collective_matmul.kernels.configs import TileConfig
+from collective_matmul.plan import KernelPlan
 from collective_matmul.ring import RingConfig
 from collective_matmul.selection import applicability
 from collective_matmul.selection import heuristics
@@ -41,101 +43,6 @@ class Options:
     """The config of a portable `impl` (ring or baseline) under these
     options."""
     return RingConfig(self.bidirectional) if impl == Impl.RING else None
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelPlan:
-  """What runs for one collective matmul and its backward (hashable: the
-  ops carry it as a static argument).
-
-  impl, config, source: the forward's implementation and its config (for
-  `pallas` a `TileConfig` and where it came from: "caller", "autotune
-  cache", "packaged table" or "heuristic"; for `ring` a `RingConfig`, the
-  default one when None is given; for `baseline` none). backward_impl,
-  backward_config, backward_source: the same for the backward's collective
-  matmul (dx: the other collective). reason: why not the Hopper kernel (""
-  when it runs, or was not asked for). is_fallback: an explicit `pallas`
-  could not be served. dtypes, backward_dtypes: for fp8 operands, the
-  forward's and the backward's operand and result dtypes as the record
-  names them (`e4m3 x e4m3 -> bf16`; `Problem.dtype_label`), else "".
-  """
-
-  impl: Impl
-  backward_impl: Impl
-  config: TileConfig | RingConfig | None = None
-  source: str = ""
-  backward_config: TileConfig | RingConfig | None = None
-  backward_source: str = ""
-  reason: str = ""
-  is_fallback: bool = False
-  dtypes: str = ""
-  backward_dtypes: str = ""
-
-  def __post_init__(self):
-    for impl_field, config_field in (("impl", "config"),
-                                     ("backward_impl", "backward_config")):
-      impl = Impl.parse(getattr(self, impl_field), impl_field, _CONFIGS)
-      config = getattr(self, config_field)
-      if impl == Impl.RING and config is None:
-        config = RingConfig()
-      expected = _CONFIGS[impl]
-      if not isinstance(config, expected):
-        what = ("no config" if expected is type(None)
-                else f"a {expected.__name__}")
-        raise ValueError(f"a {impl} plan runs {what}: {impl_field}={impl} "
-                         f"with {config_field}={config!r}")
-      object.__setattr__(self, impl_field, impl)
-      object.__setattr__(self, config_field, config)
-
-  def transposed(self) -> KernelPlan:
-    """The plan of the backward's collective matmul: this plan's backward
-    forward, and this plan's forward as its backward."""
-    return dataclasses.replace(
-        self, impl=self.backward_impl, config=self.backward_config,
-        source=self.backward_source, backward_impl=self.impl,
-        backward_config=self.config, backward_source=self.source,
-        dtypes=self.backward_dtypes, backward_dtypes=self.dtypes)
-
-  def describe(self, backward: bool = False, dtypes: bool = True) -> str:
-    """'pallas 128x256x64 s4 (packaged table)', 'ring', 'ring one-way' or
-    'baseline': the implementation with what its config changes, and
-    (with `dtypes`) for fp8 the dtypes it runs ('pallas e4m3 x e4m3 -> bf16
-    128x256x128 s4 (heuristic)')."""
-    impl, config, source, labels = (
-        (self.backward_impl, self.backward_config, self.backward_source,
-         self.backward_dtypes) if backward
-        else (self.impl, self.config, self.source, self.dtypes))
-    what = f"{impl} {labels}" if labels and dtypes else str(impl)
-    if isinstance(config, TileConfig):
-      return f"{what} {config_label(config)} ({source})"
-    if isinstance(config, RingConfig) and not config.bidirectional:
-      return f"{what} one-way"
-    return what
-
-
-# Each implementation's config type (baseline: none).
-_CONFIGS = {Impl.PALLAS: TileConfig, Impl.RING: RingConfig,
-            Impl.BASELINE: type(None)}
-
-
-def config_label(config: TileConfig) -> str:
-  """A config in a few characters: the CTA tile m x n x k, the pipeline
-  stages, then every other field that differs from its default
-  (`128x256x64 s4 sender_sms=4 k_major_sends`)."""
-  shown = ("tile_m", "tile_n", "tile_k", "max_concurrent_steps")
-  defaults = type(config)()
-  extras = []
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    if field.name in shown or value == getattr(defaults, field.name):
-      continue
-    if isinstance(value, bool):
-      extras.append(field.name if value else f"no_{field.name}")
-    else:
-      extras.append(f"{field.name}={value}")
-  return " ".join([f"{config.cta_tile_m}x{config.cta_tile_n}x"
-                   f"{config.tile_k} s{config.max_concurrent_steps}"]
-                  + extras)
 
 
 def config_for(collective: Collective, problem: Problem, device: DeviceFacts
@@ -231,16 +138,28 @@ def choose(requested: Impl | str, collective: Collective | str,
   requested = Impl.parse(requested, "impl")
   collective = Collective.parse(collective, "collective")
   plan = _choose(requested, collective, problem, device, options, config)
+  backward = problem.backward()
+  plan = dataclasses.replace(
+      plan, weight_layout=_weight_layout(problem),
+      backward_weight_layout=_weight_layout(backward)).for_rows(
+          problem.rows, problem.rows_per_batch)
   if not problem.is_fp8:
     return plan
   return dataclasses.replace(plan, dtypes=problem.dtype_label(),
-                             backward_dtypes=problem.backward().dtype_label())
+                             backward_dtypes=backward.dtype_label())
+
+
+def _weight_layout(problem: Problem) -> WeightLayout:
+  """How the kernel takes `problem`'s weight: K-major (`[n, k]`) for fp8
+  operands, which 8-bit wgmma reads so, else as the matmul names it (a
+  portable plan drops it)."""
+  return WeightLayout.NK if problem.is_fp8 else WeightLayout.KN
 
 
 def _choose(requested: Impl, collective: Collective, problem: Problem,
             device: DeviceFacts, options: Options,
             config: TileConfig | None) -> KernelPlan:
-  """`choose` without the dtype labels."""
+  """`choose` without the dtype labels and the operands' layouts."""
   if requested in (Impl.RING, Impl.BASELINE):
     return KernelPlan(requested, requested, options.config(requested),
                       backward_config=options.config(requested))

@@ -40,7 +40,9 @@ class Problem(NamedTuple):
   dtype: the activation's (lhs) operand dtype; axis_size: the devices of
   the ring; out_dtype: the result's, None for the operands'; rhs_dtype: the
   weight's, None for `dtype` (fp8 pairs differ: an e5m2 gradient times an
-  e4m3 weight).
+  e4m3 weight); rows_per_batch: the run of rows per leading index where
+  the activation is split on a dimension other than its first (`[b, s, k]`
+  on `s`: `plan.kernel_rows`), None where it is split on the first.
   """
 
   rows: int
@@ -50,6 +52,7 @@ class Problem(NamedTuple):
   axis_size: int
   out_dtype: np.dtype | None = None
   rhs_dtype: np.dtype | None = None
+  rows_per_batch: int | None = None
 
   @property
   def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -93,8 +96,10 @@ class Problem(NamedTuple):
     times w.T, both in the wider of the cotangent's and the weight's dtypes
     (an fp8 weight meets a bf16 cotangent as bf16), written in the
     activation's dtype, or for an fp8 activation in that wider dtype (its
-    gradient is rounded to fp8 once, after the collective)."""
+    gradient is rounded to fp8 once, after the collective); its rows and
+    their runs are this problem's."""
     lhs, rhs = self.operand_dtypes
     dtype = wider_dtype(self.result_dtype, rhs)
     out = dtype if lhs.itemsize == 1 else lhs
-    return Problem(self.rows, self.n, self.k, dtype, self.axis_size, out)
+    return Problem(self.rows, self.n, self.k, dtype, self.axis_size, out,
+                   rows_per_batch=self.rows_per_batch)
