@@ -42,7 +42,7 @@ SHARED_MEMORY_ERRORS = ("exceeds available shared memory",
 
 def _normal(key, shape, dtype):
   """N(0, 1) values of `dtype` (fp8: drawn in f32, then rounded)."""
-  if jnp.dtype(dtype).itemsize == 1:
+  if selection.is_fp8(dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
   return jax.random.normal(key, shape, dtype)
 

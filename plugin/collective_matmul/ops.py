@@ -52,20 +52,6 @@ def _check_operands(x, w, axis, axis_arg):
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
 
 
-def _check_scale(scale, x):
-  """The op's `scale` as an array: None, or a float32 scalar."""
-  if scale is None:
-    return None
-  scale = jnp.asarray(scale)
-  if scale.shape != () or scale.dtype != jnp.float32:
-    raise ValueError(f"scale of shape {scale.shape} and dtype {scale.dtype}: "
-                     "expected a float32 scalar (shape ())")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"scale with {x.dtype} operands: a scale multiplies a "
-                     "floating-point accumulation")
-  return scale
-
-
 def _plan(collective: Collective, x, w, axis, axis_name, impl,
           kernel_config, bidirectional, backward_impl, preferred_element_type,
           plan):
@@ -134,10 +120,12 @@ _PLAN_ARGS_DOC = """
       instead of `impl`, `kernel_config`, `bidirectional` and
       `backward_impl`.
     scale: None, or a float32 scalar (shape `()`, the same on every device
-      of the axis) that the product's float32 accumulation is multiplied by
-      before it is cast to the result's dtype (fp8: the product of the
-      operands' per-tensor scales; the kernels apply it in their
-      epilogue). Differentiable: the gradients of x and w are scaled by
+      of the axis: one typed as varying over it is refused, one that varies
+      unchecked, `check_vma=False`, makes the ring and the baseline
+      disagree) that the product's float32 accumulation is multiplied by
+      before it is cast to the result's dtype, which must be a float (fp8:
+      the product of the operands' per-tensor scales; the kernels apply it
+      in their epilogue). Differentiable: the gradients of x and w are scaled by
       it, and its own derivative is the unscaled product, computed again
       (in the result's dtype) only where the scale's gradient is taken."""
 
@@ -177,7 +165,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
   _check_operands(x, w, gather_axis, "gather_axis")
-  scale = _check_scale(scale, x)
+  scale = primitives.check_scale(
+      scale, x.dtype if preferred_element_type is None
+      else preferred_element_type, axis_name)
   plan = _plan(Collective.ALL_GATHER, x, w, gather_axis, axis_name, impl,
                kernel_config, bidirectional, backward_impl,
                preferred_element_type, plan)
@@ -228,7 +218,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     over the axis, on device d.
   """
   _check_operands(x, w, scatter_axis, "scatter_axis")
-  scale = _check_scale(scale, x)
+  scale = primitives.check_scale(
+      scale, x.dtype if preferred_element_type is None
+      else preferred_element_type, axis_name)
   plan = _plan(Collective.REDUCE_SCATTER, x, w, scatter_axis, axis_name,
                impl, kernel_config, bidirectional, backward_impl,
                preferred_element_type, plan)

@@ -2,10 +2,11 @@
 
 `dot_general` has `lax.dot_general`'s contract. When the active configuration
 enables the plugin and the operands form the all-gather pattern (see
-`patterns`), it runs `ops.all_gather_matmul` in a `shard_map` over the
-pattern's mesh axis; failing that, when they form the reduce-scatter pattern
-(which needs the result's sharding: `out_sharding`, or `out_axes` in logical
-mode), `ops.matmul_reduce_scatter`; otherwise it *is* `lax.dot_general` (same
+`patterns`), it runs the all-gather matmul (`primitives.collective_matmul`,
+what `ops.all_gather_matmul` runs) in a `shard_map` over the pattern's mesh
+axis; failing that, when they form the reduce-scatter pattern (which needs
+the result's sharding: `out_sharding`, or `out_axes` in logical mode), the
+matmul + reduce-scatter; otherwise it *is* `lax.dot_general` (same
 result, same compiled program). Every call at trace time leaves a
 `record.Decision`.
 """
@@ -22,49 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from collective_matmul import config as config_lib
-from collective_matmul import ops
 from collective_matmul import patterns
 from collective_matmul import plan as plan_lib
+from collective_matmul import primitives
 from collective_matmul import record as record_lib
 from collective_matmul import selection
+from collective_matmul import shardings
 from collective_matmul.enums import Collective
 from collective_matmul.plan import KernelPlan
 from collective_matmul.record import Decision
-
-SUPPORTED_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16,
-                                         jnp.float16, jnp.float64)))
-# fp8 operands, in any pair (Flax's fp8 matmuls: e4m3 x e4m3 forward, the
-# e5m2 gradient times an e4m3 operand backward), with a wider result.
-FP8_DTYPES = tuple(map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)))
-
-
-def dtype_label(lhs_dtype, rhs_dtype, preferred_element_type=None) -> str:
-  """The operand dtypes as the decision record names them: the one dtype
-  (`bfloat16`), or for fp8 operands both and the result's
-  (`e4m3 x e4m3 -> bf16`)."""
-  lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
-  if lhs_dtype not in FP8_DTYPES and rhs_dtype not in FP8_DTYPES:
-    return str(lhs_dtype)
-  short = selection.short_dtype_name
-  out = ("" if preferred_element_type is None
-         else f" -> {short(preferred_element_type)}")
-  return f"{short(lhs_dtype)} x {short(rhs_dtype)}{out}"
-
-
-def _dtype_reason(lhs_dtype, rhs_dtype, preferred_element_type
-                  ) -> str | None:
-  """Why the collective matmuls cannot take these operands, or None."""
-  if lhs_dtype in FP8_DTYPES and rhs_dtype in FP8_DTYPES:
-    if preferred_element_type is None:
-      return ("fp8 operands without preferred_element_type (an fp8 "
-              "result)")
-    return None
-  if rhs_dtype != lhs_dtype:
-    return f"operand dtypes differ: lhs {lhs_dtype}, rhs {rhs_dtype}"
-  if lhs_dtype not in SUPPORTED_DTYPES:
-    return f"unsupported dtype {lhs_dtype}"
-  return None
-
 
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
            out_sharding, scale=None):
@@ -75,58 +42,6 @@ def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                         preferred_element_type=preferred_element_type,
                         **kwargs)
   return out if scale is None else out * scale.astype(out.dtype)
-
-
-def _mesh_of(lhs, rhs, mode):
-  """The mesh the operands live on, or None.
-
-  Explicit mode: the operands' types say. Logical mode: the mesh set with
-  `jax.set_mesh`, else the one of a legacy `with mesh:` block (Paxml and
-  older MaxText enter their mesh that way).
-  """
-  if mode == "explicit":
-    return jax.typeof(lhs).sharding.mesh
-  mesh = jax.sharding.get_abstract_mesh()
-  return _legacy_context_mesh() if mesh.empty else mesh
-
-
-def _legacy_context_mesh():
-  """The concrete `Mesh` of the innermost `with mesh:` block, or None.
-
-  JAX 0.10 has no public accessor for it; `shard_map(mesh=...)` takes the
-  concrete mesh as it is.
-  """
-  try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    mesh = mesh_lib.thread_resources.env.physical_mesh
-  except (ImportError, AttributeError):  # A JAX without the legacy context.
-    return None
-  return None if mesh.empty else mesh
-
-
-def _explicit_specs(lhs, rhs):
-  lhs_sharding = getattr(jax.typeof(lhs), "sharding", None)
-  rhs_sharding = getattr(jax.typeof(rhs), "sharding", None)
-  if lhs_sharding is None or rhs_sharding is None:
-    return None
-  mesh = lhs_sharding.mesh
-  if mesh.empty or rhs_sharding.mesh != mesh:
-    return None
-  explicit = jax.sharding.AxisType.Explicit
-  if not any(t == explicit for t in mesh.axis_types):
-    return None
-  return (patterns.normalize_spec(lhs_sharding.spec, lhs.ndim),
-          patterns.normalize_spec(rhs_sharding.spec, rhs.ndim))
-
-
-def _logical_specs(lhs, rhs, lhs_axes, rhs_axes):
-  import flax.linen as nn  # Only logical-axis users need Flax.
-  for axes, array, name in ((lhs_axes, lhs, "lhs"), (rhs_axes, rhs, "rhs")):
-    if len(axes) != array.ndim:
-      raise ValueError(f"{name} logical axes {axes} do not match its "
-                       f"{array.ndim} dimensions {array.shape}")
-  return (patterns.normalize_spec(nn.logical_to_mesh_axes(lhs_axes), lhs.ndim),
-          patterns.normalize_spec(nn.logical_to_mesh_axes(rhs_axes), rhs.ndim))
 
 
 def _collective_axis(match, lhs_free) -> int:
@@ -203,14 +118,11 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
   match, mode = first.match, first.decision.mode
   (lhs_contract, rhs_contract), _ = dimension_numbers
   lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
-  if match.collective == Collective.REDUCE_SCATTER:
-    if len(calls) > 1:
-      raise ValueError("only all-gather matches share one collective matmul")
-    op = functools.partial(ops.matmul_reduce_scatter,
-                           scatter_axis=_collective_axis(match, lhs_free))
-  else:
-    op = functools.partial(ops.all_gather_matmul,
-                           gather_axis=_collective_axis(match, lhs_free))
+  if match.collective == Collective.REDUCE_SCATTER and len(calls) > 1:
+    raise ValueError("only all-gather matches share one collective matmul")
+  static = primitives.Static(
+      match.collective, match.axis, _collective_axis(match, lhs_free),
+      kernel_plan, precision, preferred_element_type, save_gathered)
 
   def body(lhs_block, *rhs_blocks):
     scale_block = None
@@ -220,9 +132,7 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
     ws, free_shapes = zip(*(_canonical_rhs(block, rhs_contract)
                             for block in rhs_blocks))
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
-    y = op(x, w, match.axis, plan=kernel_plan, precision=precision,
-           preferred_element_type=preferred_element_type,
-           save_gathered=save_gathered, scale=scale_block)
+    y = primitives.collective_matmul(x, w, static, scale=scale_block)[0]
     parts = ([y] if len(ws) == 1 else
              jnp.split(y, np.cumsum([w.shape[1] for w in ws])[:-1], axis=-1))
     return tuple(part.reshape(part.shape[:-1] + free_shape)
@@ -245,27 +155,6 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
       out_specs=tuple(to_p(call.match.out_spec) for call in calls),
       check_vma=False)(lhs, *rhss, *scales)
   return list(outs)
-
-
-def _out_spec(out_sharding, out_axes, out_ndim):
-  """The result layout the caller asked for, normalized, or None.
-
-  Raises:
-    ValueError: when it cannot be read (names the offending value).
-  """
-  if out_sharding is not None:
-    spec = getattr(out_sharding, "spec", out_sharding)
-    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-      raise ValueError(f"{spec} asks for an unreduced/reduced result")
-    return patterns.normalize_spec(spec, out_ndim)
-  if out_axes is not None:
-    import flax.linen as nn  # Only logical-axis users need Flax.
-    if len(out_axes) != out_ndim:
-      raise ValueError(f"out_axes {out_axes} do not match the result's "
-                       f"{out_ndim} dimensions")
-    return patterns.normalize_spec(nn.logical_to_mesh_axes(out_axes),
-                                   out_ndim)
-  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,10 +193,14 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   """
   lhs_shape, rhs_shape = tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs))
   mode = "explicit" if lhs_axes is None else "logical"
-  dtype = jnp.result_type(lhs)
+  dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+  # The record names a call of one 16- to 64-bit dtype by that dtype.
+  label = (selection.dtype_label(dtype, rhs_dtype, preferred_element_type)
+           if selection.is_fp8(dtype) or selection.is_fp8(rhs_dtype)
+           else str(dtype))
   decide = functools.partial(
       Decision, name=name, lhs_shape=lhs_shape, rhs_shape=rhs_shape,
-      dtype=dtype_label(dtype, jnp.result_type(rhs), preferred_element_type),
+      dtype=label,
       mode=mode, group_reason=group_reason)
 
   def left_to_xla(reason, fallback):
@@ -336,8 +229,8 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
     return left_to_xla(f"excluded by the configuration ({excluded!r})",
                        fallback=False)
   try:
-    specs = (_explicit_specs(lhs, rhs) if mode == "explicit" else
-             _logical_specs(lhs, rhs, lhs_axes, rhs_axes))
+    specs = (shardings.explicit_specs(lhs, rhs) if mode == "explicit" else
+             shardings.logical_specs(lhs, rhs, lhs_axes, rhs_axes))
   except ValueError as e:
     return left_to_xla(f"sharding unreadable: {e}", fallback=True)
   if specs is None:
@@ -345,7 +238,7 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                        "Explicit mesh (use logical_dot_general or "
                        "logical_einsum for Auto-sharded models)",
                        fallback=False)
-  mesh = _mesh_of(lhs, rhs, mode)
+  mesh = shardings.mesh_of(lhs, rhs, mode)
   if mesh is None:
     return left_to_xla("no mesh is set (use jax.set_mesh, or a `with mesh:` "
                        "block)", fallback=True)
@@ -354,7 +247,7 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
     return left_to_xla("already inside shard_map (manual mesh axes)",
                        fallback=False)
   try:
-    user_out = _out_spec(
+    user_out = shardings.out_spec(
         out_sharding, out_axes,
         lhs.ndim + rhs.ndim - 2 * len(dimension_numbers[0][0]))
   except ValueError as e:
@@ -382,7 +275,8 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
         match = all_gather_miss
       return left_to_xla(match.reason, match.fallback)
   (lhs_contract, rhs_contract), _ = dimension_numbers
-  reason = _dtype_reason(dtype, jnp.result_type(rhs), preferred_element_type)
+  reason = selection.served_dtype_reason(dtype, rhs_dtype,
+                                         preferred_element_type)
   if reason is not None:
     return left_to_xla(reason, fallback=True)
   lhs_k = tuple(lhs_shape[d] for d in lhs_contract)
@@ -424,11 +318,9 @@ def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
       the result's dtype, as Flax's fp8 program dequantizes it.
   """
   cfg = config or config_lib.get_config()
-  if scale is not None:
-    scale = jnp.asarray(scale)
-    if scale.shape != () or scale.dtype != jnp.float32:
-      raise ValueError(f"scale of shape {scale.shape} and dtype "
-                       f"{scale.dtype}: expected a float32 scalar (shape ())")
+  scale = primitives.check_scale(
+      scale, jnp.result_type(lhs) if preferred_element_type is None
+      else preferred_element_type)
   if not cfg.enabled:
     return _plain(lhs, rhs, dimension_numbers, precision,
                   preferred_element_type, out_sharding, scale)

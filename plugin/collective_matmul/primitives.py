@@ -50,6 +50,7 @@ from collective_matmul import dispatch
 from collective_matmul import plan as plan_lib
 from collective_matmul import ring
 from collective_matmul.enums import Collective
+from collective_matmul.kernels.configs import is_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,37 @@ class Static:
     return dataclasses.replace(self, collective=self.collective.transpose,
                                plan=self.plan.transposed(),
                                preferred_element_type=out_dtype)
+
+
+def check_scale(scale, result_dtype, axis_name=None):
+  """`scale` as it enters (the ops, the drop-in): None, or a float32 scalar
+  array; a ValueError otherwise, and for a scale that cannot act as one:
+  with an integer result (the scaled accumulation is cast to it, so 0.5
+  would give zeros), or typed as varying over `axis_name` (a `shard_map`
+  that checks it: the ring scales sums where the baseline scales each
+  device's terms, so they would disagree; a scale that varies unchecked is
+  the caller's to avoid, as the ops' docstrings say)."""
+  if scale is None:
+    return None
+  scale = jnp.asarray(scale)
+  if scale.shape != () or scale.dtype != jnp.float32:
+    raise ValueError(f"scale of shape {scale.shape} and dtype {scale.dtype}: "
+                     "expected a float32 scalar (shape ())")
+  if not jnp.issubdtype(result_dtype, jnp.inexact):
+    raise ValueError(
+        f"scale with a {jnp.dtype(result_dtype)} result: the scaled "
+        "accumulation is cast to it, truncating (0.5 gives zeros); ask for "
+        "a floating-point preferred_element_type")
+  aval = jax.typeof(scale)
+  varying = getattr(aval, "vma", None)
+  if varying is None:  # JAX >= 0.10 keeps it in the manual axis type.
+    varying = getattr(getattr(aval, "mat", None), "varying", None) or ()
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if any(name in varying for name in names):
+    raise ValueError(
+        f"scale varies over {axis_name!r}: a collective matmul's scale is "
+        "the same on every device of its axis (pass it replicated)")
+  return scale
 
 
 def _forward(static: Static, return_gathered: bool):
@@ -292,7 +324,7 @@ def _tangent_transpose(ct, *args, static, has_dx, has_dw, gathered,
   # not summed across the ring in fp8.
   dx_dtype = None
   if has_dx:
-    dx_dtype = ct_b.dtype if dx_aval.dtype.itemsize == 1 else dx_aval.dtype
+    dx_dtype = ct_b.dtype if is_fp8(dx_aval.dtype) else dx_aval.dtype
   ct_dx = ct_dw = gathered_ct = None
   if static.collective == Collective.ALL_GATHER:
     # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),

@@ -29,6 +29,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from collective_matmul.kernels.configs import is_fp8
+
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
@@ -169,7 +171,7 @@ def accumulation_dtype(out_dtype):
   `lax.dot_general` does)."""
   if not jnp.issubdtype(out_dtype, jnp.inexact):
     return jnp.dtype(out_dtype)
-  if jnp.dtype(out_dtype).itemsize == 1:  # fp8: no implicit promotion.
+  if is_fp8(out_dtype):  # No implicit promotion.
     return jnp.dtype(jnp.float32)
   return jnp.promote_types(out_dtype, jnp.float32)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
+from collective_matmul import override
 from cm_test_utils import mesh_1d, normal, put
 
 D, M, K, N = 4, 8, 64, 16
@@ -195,6 +196,51 @@ def test_a_scale_that_is_no_f32_scalar_is_refused(scale, match, keys):
     op(x, w)
 
 
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_a_scale_that_varies_over_the_axis_is_refused(collective, keys):
+  """The ring applies the scale to the sums it owns, the baseline and the
+  kernels to each device's terms: a scale that differs across the devices
+  would make them disagree. One typed as varying over the axis (shard_map's
+  default check) is refused; the contract is the op's docstring."""
+  mesh, x, w, _ = _operands(keys, collective, jnp.float32)
+  op, in_specs, out_spec = OPS[collective]
+  scales = jnp.arange(1, D + 1, dtype=jnp.float32)
+  f = jax.shard_map(
+      lambda x, w, s: op(x, w, "x", impl="ring", scale=s.reshape(())),
+      mesh=mesh, in_specs=in_specs + (P("x"),), out_specs=out_spec)
+  with pytest.raises(ValueError, match="scale varies over 'x'"):
+    f(x, w, scales)
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("impl", ["ring", "baseline"])
+def test_the_same_scale_on_every_device_gives_ring_and_baseline_alike(
+    collective, impl, keys):
+  """The contract the refusal guards: one scale (replicated), the ring and
+  the baseline both within one rounding of the scaled f32 product."""
+  mesh, x, w, scale = _operands(keys, collective, jnp.bfloat16)
+  got = _exact(_ours(collective, mesh, impl)(x, w, scale))
+  want = _exact(x) @ _exact(w) * float(scale)
+  np.testing.assert_allclose(got, want, rtol=2 * BF16_U,
+                             atol=2 * BF16_U * np.abs(want).max())
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_a_scale_with_an_integer_result_is_refused(collective, keys):
+  """Cast to an integer result, the scaled accumulation would truncate (a
+  scale of 0.5 gives zeros): refused by the ops and by the drop-in, with
+  the plugin on or off."""
+  mesh, x, w, _ = _operands(keys, collective, jnp.float32)
+  x, w = x.astype(jnp.int32), w.astype(jnp.int32)
+  with pytest.raises(ValueError, match="int32 result.*truncat"):
+    _ours(collective, mesh, "ring")(x, w, jnp.float32(0.5))
+  dims = (((1,), (0,)), ((), ()))
+  for enabled in (True, False):
+    with cm.config_context(enabled=enabled), pytest.raises(
+        ValueError, match="int32 result.*truncat"):
+      override.collective_dot_general(x, w, dims, scale=jnp.float32(0.5))
+
+
 # ------------------------------------------------ fp8_scaled_dot_general
 
 EMBED, MLP = 64, 128
@@ -309,3 +355,4 @@ def test_fp8_scaled_dot_general_without_preferred_element_type_is_flax_s(
   flax_y = fp8_ops.fp8_scaled_dot_general(*plain, dims, **state)
   assert y.dtype == flax_y.dtype
   np.testing.assert_array_equal(np.asarray(y), np.asarray(flax_y))
+

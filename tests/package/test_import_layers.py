@@ -26,7 +26,7 @@ LAYERS = [
     {"selection.heuristics"},
     {"selection.decide"},
     {"selection"},
-    {"dispatch", "record", "xla_flags"},
+    {"dispatch", "record", "xla_flags", "shardings"},
     {"primitives"},
     {"ops", "flags"},
     {"autotuning", "override"},

@@ -71,6 +71,9 @@ FP8_TILE_K = 128
 
 
 def is_fp8(dtype) -> bool:
+  """Whether `dtype` is fp8 (e4m3 or e5m2): the one test of it in the
+  package. JAX promotes neither implicitly; which pairs the kernels take
+  is `fp8_reason`'s."""
   return np.dtype(dtype).name in FP8_DTYPES
 
 

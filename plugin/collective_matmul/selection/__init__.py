@@ -24,6 +24,7 @@ from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import KERNEL_DTYPES
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
+from collective_matmul.kernels.configs import is_fp8
 from collective_matmul.kernels.schedule import padding
 from collective_matmul.kernels.schedule import supports_rows_per_batch
 from collective_matmul.plan import KernelPlan
@@ -35,6 +36,7 @@ from collective_matmul.selection.applicability import command_buffer_reason
 from collective_matmul.selection.applicability import config_reason
 from collective_matmul.selection.applicability import operand_reason
 from collective_matmul.selection.applicability import process_layout_reason
+from collective_matmul.selection.applicability import served_dtype_reason
 from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.applicability import too_small_reason
 from collective_matmul.selection.applicability import unsupported_reason
@@ -48,6 +50,7 @@ from collective_matmul.selection.device import DeviceFacts
 from collective_matmul.selection.device import HOPPER_DEVICE_KINDS
 from collective_matmul.selection.device import device_facts
 from collective_matmul.selection.problem import Problem
+from collective_matmul.selection.problem import dtype_label
 from collective_matmul.selection.problem import short_dtype_name
 from collective_matmul.selection.problem import wider_dtype
 from collective_matmul.selection.heuristics import SENDER_SMS
@@ -93,6 +96,7 @@ def select_reduce_scatter_config(m: int, k: int, n: int, dtype,
 
 __all__ = [
     "AllGatherConfig", "ReduceScatterConfig", "KERNEL_DTYPES", "SMEM_BYTES",
+    "is_fp8",
     "padding", "supports_rows_per_batch",
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
     "COMMAND_BUFFER_FLAG", "SMALL_BOXES", "unsupported_reason",
@@ -104,7 +108,8 @@ __all__ = [
     "TUNED_CONFIGS_FILE", "cache_path", "cache_key", "load_cached_config",
     "store_cached_config", "parse_tuned_configs", "packaged_table",
     "packaged_config",
-    "CALLER", "HEURISTIC", "Problem", "short_dtype_name", "wider_dtype",
+    "CALLER", "HEURISTIC", "Problem", "dtype_label", "short_dtype_name",
+    "wider_dtype", "served_dtype_reason",
     "Options", "KernelPlan", "choose",
     "config_for", "config_label", "heuristic_config", "select_config",
     "select_reduce_scatter_config",

@@ -43,6 +43,30 @@ def _jax_version() -> tuple[int, int]:
   return tuple(int(x) for x in jax.__version__.split(".")[:2])
 
 
+# What the collective matmuls take (any implementation): one 16-, 32- or
+# 64-bit float, or fp8 operands in any pair (Flax's fp8 matmuls: e4m3 x
+# e4m3 forward, the e5m2 gradient times an e4m3 operand backward) with a
+# wider result.
+SERVED_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def served_dtype_reason(lhs_dtype, rhs_dtype, preferred_element_type
+                        ) -> str | None:
+  """Why no collective matmul takes these operands (the drop-in leaves
+  them to XLA), or None."""
+  lhs, rhs = np.dtype(lhs_dtype), np.dtype(rhs_dtype)
+  if configs.is_fp8(lhs) and configs.is_fp8(rhs):
+    if preferred_element_type is None:
+      return ("fp8 operands without preferred_element_type (an fp8 "
+              "result)")
+    return None
+  if rhs != lhs:
+    return f"operand dtypes differ: lhs {lhs}, rhs {rhs}"
+  if lhs.name not in SERVED_DTYPES:
+    return f"unsupported dtype {lhs}"
+  return None
+
+
 def operand_reason(problem: Problem) -> str | None:
   """Why the kernels cannot take `problem`'s operand and result dtypes, or
   None: bf16 or f16 operands of one dtype (results in theirs or float32);

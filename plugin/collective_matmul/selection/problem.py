@@ -19,15 +19,31 @@ def short_dtype_name(dtype) -> str:
   return _SHORT_DTYPE_NAMES.get(name, name)
 
 
+def dtype_label(lhs_dtype, rhs_dtype, out_dtype=None) -> str:
+  """The dtypes as the decision record and the plan name them: both
+  operands' for fp8 or differing ones, one otherwise, then the result's
+  where given and not the one operands' (`e4m3 x e4m3 -> bf16`, `bf16`,
+  `bf16 -> f32`)."""
+  lhs, rhs = np.dtype(lhs_dtype), np.dtype(rhs_dtype)
+  if lhs == rhs and not configs.is_fp8(lhs):
+    operands = short_dtype_name(lhs)
+    shown = out_dtype is not None and np.dtype(out_dtype) != lhs
+  else:
+    operands = f"{short_dtype_name(lhs)} x {short_dtype_name(rhs)}"
+    shown = out_dtype is not None
+  return (f"{operands} -> {short_dtype_name(out_dtype)}" if shown
+          else operands)
+
+
 def wider_dtype(a, b) -> np.dtype:
   """The wider of two dtypes, in which a cotangent meets a weight. JAX
-  promotes no 8-bit float implicitly: one meets another dtype as that dtype
-  (exactly: every fp8 value is a bf16 value), and another 8-bit float as
+  promotes no fp8 dtype implicitly: one meets another dtype as that dtype
+  (exactly: every fp8 value is a bf16 value), and another fp8 dtype as
   float32."""
   a, b = jnp.dtype(a), jnp.dtype(b)
-  if a.itemsize == 1 and jnp.issubdtype(a, jnp.floating):
-    a = jnp.dtype(jnp.float32) if b.itemsize == 1 else b
-  if b.itemsize == 1 and jnp.issubdtype(b, jnp.floating):
+  if configs.is_fp8(a):
+    a = jnp.dtype(jnp.float32) if configs.is_fp8(b) else b
+  if configs.is_fp8(b):
     b = a
   return np.dtype(jnp.promote_types(a, b))
 
@@ -78,17 +94,8 @@ class Problem(NamedTuple):
     return (np.dtype(self.dtype).itemsize, self.result_dtype.itemsize)
 
   def dtype_label(self) -> str:
-    """The dtypes as the decision record names them: `e4m3 x e4m3 -> bf16`
-    (`bf16 -> f32` where both operands share a dtype)."""
-    lhs, rhs = self.operand_dtypes
-    operands = (short_dtype_name(lhs) if lhs == rhs else
-                f"{short_dtype_name(lhs)} x {short_dtype_name(rhs)}")
-    if lhs == rhs and not self.is_fp8:
-      return (operands if self.result_dtype == lhs
-              else f"{operands} -> {short_dtype_name(self.result_dtype)}")
-    if lhs == rhs:
-      operands = f"{operands} x {operands}"
-    return f"{operands} -> {short_dtype_name(self.result_dtype)}"
+    """`dtype_label` of the operands and the result."""
+    return dtype_label(*self.operand_dtypes, self.result_dtype)
 
   def backward(self) -> Problem:
     """The backward's problem (dx of the other collective), as the op's
@@ -100,6 +107,6 @@ class Problem(NamedTuple):
     their runs are this problem's."""
     lhs, rhs = self.operand_dtypes
     dtype = wider_dtype(self.result_dtype, rhs)
-    out = dtype if lhs.itemsize == 1 else lhs
+    out = dtype if configs.is_fp8(lhs) else lhs
     return Problem(self.rows, self.n, self.k, dtype, self.axis_size, out,
                    rows_per_batch=self.rows_per_batch)
