@@ -356,3 +356,41 @@ def test_fp8_scaled_dot_general_without_preferred_element_type_is_flax_s(
   assert y.dtype == flax_y.dtype
   np.testing.assert_array_equal(np.asarray(y), np.asarray(flax_y))
 
+
+def test_fp8_reduce_scatter_sums_partials_rounded_to_bf16_except_the_ring(
+    keys):
+  """A reduce-scatter projection (the MLP's output) sums D partial
+  products. The ring sums them in f32 and rounds once: within one bf16
+  rounding of the exact scaled product. The baseline (and the kernel), as
+  XLA in Flax's own program, round each device's partial to bf16 first, so
+  an entry smaller than its partials is off by many of its own roundings
+  (docs/ADVANCED.md gives the figures)."""
+  mesh = mesh_1d(D)
+  x = put(normal(keys(), (2, 8 * D, MLP * D), jnp.float32).astype(
+      jnp.bfloat16), mesh, P(None, None, "x"))
+  w = put(normal(keys(), (MLP * D, EMBED), jnp.float32).astype(
+      jnp.bfloat16), mesh, P("x", None))
+  state = _fp8_state(keys)
+  dims = (((2,), (0,)), ((), ()))
+  out_sharding = jax.sharding.NamedSharding(mesh, P(None, "x", None))
+  got = {}
+  with jax.set_mesh(mesh):
+    for impl in ("ring", "baseline"):
+      with cm.config_context(enabled=True, impl=impl):
+        got[impl] = _exact(jax.jit(functools.partial(
+            cm.fp8_scaled_dot_general, dimension_numbers=dims,
+            preferred_element_type=jnp.bfloat16, out_sharding=out_sharding,
+            **state))(x, w))
+  (decision, _) = [d for d in cm.decisions() if d.rewritten]
+  assert decision.collective == "reduce_scatter"
+  q_x, s_x = fp8_ops.in_q(jnp.float32, E4M3, x, state["lhs_scale"],
+                          state["lhs_amax_history"])
+  q_w, s_w = fp8_ops.in_q(jnp.float32, E4M3, w, state["rhs_scale"],
+                          state["rhs_amax_history"])
+  exact = (np.einsum("bsk,kn->bsn", _exact(q_x), _exact(q_w))
+           * np.asarray(s_x).item() * np.asarray(s_w).item())
+  tiny = 1e-6 * np.max(np.abs(exact))
+  np.testing.assert_array_less(np.abs(got["ring"] - exact),
+                               BF16_U * np.abs(exact) + tiny)
+  assert np.any(np.abs(got["baseline"] - exact)
+                > 4 * BF16_U * np.abs(exact) + tiny)
