@@ -181,8 +181,8 @@ def fp8_core_configs(big_m, k, n, variants, device=None):
   rs_core = selection.select_reduce_scatter_config(
       big_m // 2, k, n, E5M2, 2, device=device, out_dtype=jnp.bfloat16,
       rhs_dtype=E4M3)
-  ag = (kernels.all_gather_lhs_matmul, ag_core, E4M3, dict(rhs_layout="nk"))
-  rs = (kernels.matmul_reduce_scatter, rs_core, E5M2, dict(w_layout="nk"))
+  ag = (kernels.all_gather_lhs_matmul, ag_core, E4M3, dict(weight_layout="nk"))
+  rs = (kernels.matmul_reduce_scatter, rs_core, E5M2, dict(weight_layout="nk"))
   out = [("ours_fp8", *ag), ("ours_fp8_rs", *rs)]
   for name, fields in variants:
     if not is_fp8_variant(name):
@@ -512,8 +512,7 @@ def bench_fp8(row, run, ours, mesh, big_m, k, n, args):
       continue
     operands = (lhs[lhs_dtype], rhs_nk, scale)
     if cfg is not None:
-      kw = dict(rhs_layout="nk") if lhs_dtype == E4M3 else dict(
-          w_layout="nk")
+      kw = dict(weight_layout="nk")
       kernel = (kernels.all_gather_lhs_matmul if lhs_dtype == E4M3 else
                 kernels.matmul_reduce_scatter)
       ours[name] = (kernel, cfg, operands, reference(lhs_dtype),

@@ -550,14 +550,14 @@ def fp8_arms(pattern, m, k, n, d, parsed, device=None):
     op, gathered = cm.all_gather_matmul, P(None, "x")
     collective = lambda x, w, s: fp8_product(
         lax.all_gather(x, "x", axis=0, tiled=True), w, s)
-    kernel, layout = kernels.all_gather_lhs_matmul, "rhs_layout"
+    kernel, layout = kernels.all_gather_lhs_matmul, "weight_layout"
   else:
     picked = selection.select_reduce_scatter_config(
         m, k, n, E5M2, d, device=device, out_dtype=bf16, rhs_dtype=E4M3)
     op, gathered = cm.matmul_reduce_scatter, P("x", None)
     collective = lambda x, w, s: lax.psum_scatter(
         fp8_product(x, w, s), "x", scatter_dimension=0, tiled=True)
-    kernel, layout = kernels.matmul_reduce_scatter, "w_layout"
+    kernel, layout = kernels.matmul_reduce_scatter, "weight_layout"
   arms = [("bound", jax.jit(fp8_product), None, False),
           ("bound_all", _shmap(fp8_product, P("x", None)), None, False),
           ("nccl", _shmap(collective, gathered), None, False)]

@@ -107,13 +107,13 @@ def fp8_ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
     return Call(label, kernels.all_gather_lhs_matmul, config,
                 [(d * m, k), (d * n, k), ()],
                 [P("x", None), P("x", None), P()], P(None, "x"), d,
-                (e4m3, e4m3, f32), kwargs=dict(rhs_layout="nk"),
+                (e4m3, e4m3, f32), kwargs=dict(weight_layout="nk"),
                 operand_names=("scale",), **kw)
   if pattern == "reduce_scatter":
     return Call(label, kernels.matmul_reduce_scatter, config,
                 [(d * m, d * k), (n, d * k), ()],
                 [P(None, "x"), P(None, "x"), P()], P("x", None), d,
-                (e5m2, e4m3, f32), kwargs=dict(w_layout="nk"),
+                (e5m2, e4m3, f32), kwargs=dict(weight_layout="nk"),
                 operand_names=("scale",), needs_jax=MIXED_FP8_JAX, **kw)
   raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
 

@@ -275,11 +275,11 @@ def _program(case: Case):
   if case.kind == "all_gather":
     shapes = [(d, m, k), (d, n, k) if fp8 else (d, k, n)]
     fn = functools.partial(kernels.all_gather_lhs_matmul_virtual,
-                           ranks=case.ranks(), rhs_layout=layout, **kw)
+                           ranks=case.ranks(), weight_layout=layout, **kw)
   else:
     shapes = [(d, d * m, k), (d, n, k) if fp8 else (d, k, n)]
     fn = functools.partial(kernels.matmul_reduce_scatter_virtual,
-                           ranks=case.ranks(), w_layout=layout, **kw)
+                           ranks=case.ranks(), weight_layout=layout, **kw)
   if fp8:
     inner = fn
     fn = lambda a, b, s: inner(a, b, scale=s)  # pylint: disable=unnecessary-lambda-assignment

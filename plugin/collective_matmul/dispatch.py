@@ -25,7 +25,7 @@ from collective_matmul.enums import WeightLayout
 from collective_matmul.plan import KernelPlan
 
 
-def _weight_for_kernel(w, layout: WeightLayout, scale, keyword):
+def _weight_for_kernel(w, layout: WeightLayout, scale):
   """(the weight as the kernels take it in `layout`, the keywords that say
   how, each passed only when set): `[k, n]` as given, or `[n, k]` (K-major:
   a weight that arrives as the transpose of a K-major array, the dgrad's
@@ -33,7 +33,7 @@ def _weight_for_kernel(w, layout: WeightLayout, scale, keyword):
   the `scale`."""
   options = {} if scale is None else {"scale": scale}
   if layout == WeightLayout.NK:
-    return w.T, dict(options, **{keyword: layout.value})
+    return w.T, dict(options, weight_layout=layout.value)
   return w, options
 
 
@@ -54,8 +54,7 @@ def _pallas_all_gather_matmul(x, w, axis_name, gather_axis, plan: KernelPlan,
   else:
     x2d, per_batch = x.reshape(rows, x.shape[-1]), math.prod(
         x.shape[gather_axis:-1])
-  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale,
-                                        "rhs_layout")
+  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale)
   result = kernels.all_gather_lhs_matmul(
       x2d, w_kernel, axis_name, config=plan.config,
       out_dtype=preferred_element_type, rows_per_batch=per_batch,
@@ -91,8 +90,7 @@ def _pallas_matmul_reduce_scatter(x, w, axis_name, scatter_axis,
   rows = math.prod(x.shape[:-1])
   out_shape = list(x.shape[:-1]) + [w.shape[1]]
   out_shape[scatter_axis] //= axis_size
-  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale,
-                                        "w_layout")
+  w_kernel, options = _weight_for_kernel(w, plan.weight_layout, scale)
   if plan.row_layout == RowLayout.AS_GIVEN:
     # Runs of rows are addressed per row block, so they must fit one block.
     per_block = math.prod(x.shape[scatter_axis:-1]) // axis_size

@@ -69,9 +69,9 @@ SHAPES = [(2048, 4096, 1024), (1000, 1600, 768), (256, 1024, 256),
 def _call(name, config, a, b_nk, scale, out_dtype):
   if name.startswith("ag"):
     kernel = functools.partial(kernels.all_gather_lhs_matmul,
-                               rhs_layout="nk")
+                               weight_layout="nk")
   else:
-    kernel = functools.partial(kernels.matmul_reduce_scatter, w_layout="nk")
+    kernel = functools.partial(kernels.matmul_reduce_scatter, weight_layout="nk")
   with jax.set_mesh(_mesh(1)):
     return jax.jit(jax.shard_map(
         lambda a, b, s: kernel(a, b, axis_name="x", config=config, scale=s,
@@ -172,13 +172,13 @@ def test_fp8_ring_matches_the_f32_product_of_its_fp8_values(name, lhs_dtype,
       specs = (P("x", None), P("x", None), P())
       out_specs = (P(None, "x"), P("x"))
       fn = lambda a, b, s: kernels.all_gather_lhs_matmul(
-          a, b, "x", config=config, rhs_layout="nk", scale=s,
+          a, b, "x", config=config, weight_layout="nk", scale=s,
           return_gathered=True)
     else:
       specs = (P(None, "x"), P(None, "x"), P())
       out_specs = P("x", None)
       fn = lambda a, b, s: kernels.matmul_reduce_scatter(
-          a, b, "x", config=config, w_layout="nk", scale=s)
+          a, b, "x", config=config, weight_layout="nk", scale=s)
     operands = [jax.sharding.reshard(x, spec)
                 for x, spec in zip((a, b_nk, scale), specs)]
     _poison(d * m * d * n * 4)

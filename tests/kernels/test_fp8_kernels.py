@@ -82,7 +82,7 @@ def _all_gather(d, config, lhs_dtype, m=512, k=1024, n=512):
                                sharding=NamedSharding(mesh, P()))]
   fn = jax.shard_map(
       lambda a, b, s: kernels.all_gather_lhs_matmul(
-          a, b, "x", config=config, rhs_layout="nk", scale=s),
+          a, b, "x", config=config, weight_layout="nk", scale=s),
       out_specs=P(None, "x"), check_vma=False)
   return fn, args, mesh, (d * m, d * n)
 
@@ -99,7 +99,7 @@ def _reduce_scatter(d, config, lhs_dtype, m=512, k=1024, n=512):
                                sharding=NamedSharding(mesh, P()))]
   fn = jax.shard_map(
       lambda a, b, s: kernels.matmul_reduce_scatter(
-          a, b, "x", config=config, w_layout="nk", scale=s),
+          a, b, "x", config=config, weight_layout="nk", scale=s),
       out_specs=P("x", None), check_vma=False)
   return fn, args, mesh, (d * m, n)
 
@@ -153,7 +153,7 @@ def _abstract(shape, dtype):
 @pytest.mark.parametrize("lhs,rhs,kw,match", [
     (E4M3, E5M2, {}, "fp8 operands float8_e4m3fn x float8_e5m2"),
     (E4M3, jnp.bfloat16, {}, "fp8 operands float8_e4m3fn x bfloat16"),
-    (E4M3, E4M3, dict(rhs_layout="kn"), r"weight given \[k, n\]"),
+    (E4M3, E4M3, dict(weight_layout="kn"), r"weight given \[k, n\]"),
     (E4M3, E4M3, dict(config=AG(tile_k=64)), "tile_k=64 with fp8"),
     (E4M3, E4M3, dict(out_dtype=jnp.float16),
      "preferred_element_type float16 of an fp8 product"),
@@ -161,10 +161,10 @@ def _abstract(shape, dtype):
      r"scale of shape \(1,\)"),
     (E4M3, E4M3, dict(scale=_abstract((), jnp.bfloat16)),
      "scale of shape .* and dtype bfloat16"),
-    (E4M3, E4M3, dict(rhs_layout="kt"), "rhs_layout='kt' must be"),
+    (E4M3, E4M3, dict(weight_layout="kt"), "weight_layout='kt' must be"),
 ])
 def test_fp8_input_is_refused_naming_the_value(lhs, rhs, kw, match):
-  kw = dict(dict(config=AG(tile_k=128), rhs_layout="nk"), **kw)
+  kw = dict(dict(config=AG(tile_k=128), weight_layout="nk"), **kw)
   scale = kw.pop("scale", _abstract((), jnp.float32))
   with jax.set_mesh(_mesh(1)):
     f = jax.shard_map(
@@ -172,7 +172,7 @@ def test_fp8_input_is_refused_naming_the_value(lhs, rhs, kw, match):
                                                       **kw),
         in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
     with pytest.raises(ValueError, match=match):
-      rhs_shape = (512, 256) if kw["rhs_layout"] == "kn" else (256, 512)
+      rhs_shape = (512, 256) if kw["weight_layout"] == "kn" else (256, 512)
       jax.eval_shape(f, _abstract((256, 512), lhs), _abstract(rhs_shape, rhs),
                      scale)
 
@@ -181,7 +181,7 @@ def test_a_k_major_weight_of_another_contraction_is_refused():
   with jax.set_mesh(_mesh(1)):
     f = jax.shard_map(
         lambda a, b: kernels.matmul_reduce_scatter(
-            a, b, "x", config=RS(tile_k=128), w_layout="nk"),
+            a, b, "x", config=RS(tile_k=128), weight_layout="nk"),
         in_specs=(P(), P()), out_specs=P(), check_vma=False)
     with pytest.raises(ValueError, match=r"w k=384 \(given \[n, k\]\)"):
       jax.eval_shape(f, _abstract((256, 512), E4M3),
@@ -227,9 +227,9 @@ def _interpreted(kernel, config, layout, a, b, scale):
 @pytest.mark.usefixtures("_fresh_interpreter")
 @pytest.mark.parametrize("kernel,config,layout,lhs_dtype", [
     (kernels.all_gather_lhs_matmul, AG(tile_k=128, **SMALL),
-     dict(rhs_layout="nk"), E4M3),
+     dict(weight_layout="nk"), E4M3),
     (kernels.matmul_reduce_scatter, RS(tile_k=128, **SMALL),
-     dict(w_layout="nk"), E5M2),
+     dict(weight_layout="nk"), E5M2),
 ], ids=["all_gather_e4m3", "reduce_scatter_e5m2"])
 def test_fp8_core_runs_in_interpret_mode(kernel, config, layout, lhs_dtype,
                                          keys):
@@ -252,9 +252,9 @@ def _check_interpreted(collective, config, m, k, n, keys):
   reduce-scatter's e5m2 x e4m3, the weight K-major, a scale) interpreted
   at m x k x n, against the f32 product of the same fp8 values."""
   lhs_dtype = E4M3 if collective == "all_gather" else E5M2
-  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(rhs_layout="nk"))
+  kernel, layout = ((kernels.all_gather_lhs_matmul, dict(weight_layout="nk"))
                     if collective == "all_gather" else
-                    (kernels.matmul_reduce_scatter, dict(w_layout="nk")))
+                    (kernels.matmul_reduce_scatter, dict(weight_layout="nk")))
   a = normal(keys(), (m, k), lhs_dtype)
   b_nk = normal(keys(), (n, k), E4M3)
   scale = jax.random.uniform(keys(), (), jnp.float32, 0.25, 4.0)
@@ -327,7 +327,7 @@ def test_a_bf16_weight_given_k_major_runs_in_interpret_mode(keys):
   a = normal(keys(), (m, k), jnp.bfloat16)
   b_nk = normal(keys(), (n, k), jnp.bfloat16)
   out = _interpreted(kernels.all_gather_lhs_matmul, AG(**SMALL),
-                     dict(rhs_layout="nk"), a, b_nk, jnp.float32(1.0))
+                     dict(weight_layout="nk"), a, b_nk, jnp.float32(1.0))
   out = np.asarray(out, np.float32)
   ref = np.asarray(a, np.float32) @ np.asarray(b_nk, np.float32).T
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOLERANCE

@@ -381,13 +381,13 @@ def test_no_slot_is_freed_while_a_wgmma_still_reads_it_in_the_fp8_rings(
   with jax.set_mesh(mesh):
     if kernel == "ag":
       f = jax.shard_map(lambda a, b, s: kernels.all_gather_lhs_matmul(
-          a, b, "x", config=config, rhs_layout="nk", scale=s),
+          a, b, "x", config=config, weight_layout="nk", scale=s),
                         out_specs=P(None, "x"), check_vma=False)
       args = (_spec(mesh, (1024, 512), P("x", None), e4m3),
               _spec(mesh, (1024, 512), P("x", None), e4m3), scale)
     else:
       f = jax.shard_map(lambda a, b, s: kernels.matmul_reduce_scatter(
-          a, b, "x", config=config, w_layout="nk", scale=s),
+          a, b, "x", config=config, weight_layout="nk", scale=s),
                         out_specs=P("x", None), check_vma=False)
       args = (_spec(mesh, (1024, 1024), P(None, "x"), e4m3),
               _spec(mesh, (512, 1024), P(None, "x"), e4m3), scale)

@@ -30,17 +30,17 @@ def _product(a, b, layout, scale):
   return (out * (1 if scale is None else scale)).astype(jnp.bfloat16)
 
 
-def _fake_all_gather_kernel(a, b, axis_name, *, config, rhs_layout="kn",
+def _fake_all_gather_kernel(a, b, axis_name, *, config, weight_layout="kn",
                             scale=None):
   del config
   return _product(lax.all_gather(a, axis_name, axis=0, tiled=True), b,
-                  rhs_layout, scale)
+                  weight_layout, scale)
 
 
-def _fake_reduce_scatter_kernel(a, b, axis_name, *, config, w_layout="kn",
+def _fake_reduce_scatter_kernel(a, b, axis_name, *, config, weight_layout="kn",
                                 scale=None):
   del config
-  return lax.psum_scatter(_product(a, b, w_layout, scale), axis_name,
+  return lax.psum_scatter(_product(a, b, weight_layout, scale), axis_name,
                           scatter_dimension=0, tiled=True)
 
 

@@ -45,7 +45,7 @@ from collective_matmul.kernels.configs import AllGatherConfig
 
 def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
                  m_shard, k, n, rows_per_batch, diagnostic_loopback,
-                 rhs_k_major=False, scaled=False):
+                 weight_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   all-gather's hooks. Who forwards the shard to the next device:
 
@@ -194,7 +194,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
       ring_skeleton.ring_tile_loop, grid, lhs_local_ref, rhs_ref, out_ref,
       ring=ring, row_block=row_block, begin_tile=begin_tile,
       delay_release=0 if eager else 1,
-      k_order=k_order if tiles_send else None, b_k_major=rhs_k_major,
+      k_order=k_order if tiles_send else None, weight_k_major=weight_k_major,
       scale_ref=scale_ref)
   if not sender_sms:
     loop()
@@ -311,7 +311,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
                           return_gathered: bool = False,
-                          rhs_layout: str = "kn", scale=None):
+                          weight_layout: str = "kn", scale=None):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Rows and k that do not fit the
@@ -322,7 +322,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   Args:
     lhs: local rows `[m, k]`, bf16 or f16, or fp8 (e4m3 or e5m2,
       `configs.FP8_PAIRS`; gathered as fp8 bytes).
-    rhs: local columns `[k, n]`, same dtype; or with `rhs_layout="nk"`
+    rhs: local columns `[k, n]`, same dtype; or with `weight_layout="nk"`
       given K-major, `[n, k]` (fp8 needs it, e4m3).
     axis_name: mesh axis of the ring (its devices must be NVLink peers).
     config: tiling and send pacing (`selection.select_config` picks one
@@ -337,7 +337,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     return_gathered: also return `all_gather(lhs)` `[D, m, k]` (blocks in
       axis-index order), assembled from the shards the ring delivered, so a
       backward pass need not gather again.
-    rhs_layout: "kn" (`rhs` is `[k, n]`) or "nk" (`[n, k]`, K-major).
+    weight_layout: "kn" (`rhs` is `[k, n]`) or "nk" (`[n, k]`, K-major).
     scale: None, or an f32 scalar (shape `()`) the f32 accumulator is
       multiplied by before it is cast: the product of fp8 operands'
       scales. fp8 needs `config.tile_k` 128 (`configs.fp8_reason`).
@@ -351,7 +351,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   out, lhs, received = _launch(lhs, rhs, ring, config=config,
                                out_dtype=out_dtype,
                                rows_per_batch=rows_per_batch,
-                               rhs_layout=rhs_layout, scale=scale)
+                               weight_layout=weight_layout, scale=scale)
   if not return_gathered:
     return out
   # Slot s of the scratch holds shard (d + s + 1) % D: rotate into order.
@@ -365,7 +365,7 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
 def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
                                   config: AllGatherConfig, out_dtype=None,
                                   rows_per_batch: int | None = None,
-                                  rhs_layout: str = "kn", scale=None):
+                                  weight_layout: str = "kn", scale=None):
   """The all-gather ring as `ranks.axis_size` virtual ranks in one launch on
   one GPU (`peers.VirtualRanks`): the product's kernel and schedule, each
   peer a slice of stacked arrays. For checking the ring on one GPU; the
@@ -373,9 +373,9 @@ def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
 
   Args:
     lhs: `[D, m, k]`, rank r's rows at `lhs[r]`.
-    rhs: `[D, k, n]` (or `[D, n, k]` with `rhs_layout="nk"`), rank r's
+    rhs: `[D, k, n]` (or `[D, n, k]` with `weight_layout="nk"`), rank r's
       columns.
-    ranks, config, out_dtype, rows_per_batch, rhs_layout, scale: as
+    ranks, config, out_dtype, rows_per_batch, weight_layout, scale: as
       `all_gather_lhs_matmul` (the scale is shared by every rank).
 
   Returns:
@@ -383,24 +383,24 @@ def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
   """
   peers.check_stacked(ranks, lhs=lhs, rhs=rhs)
   return _launch(lhs, rhs, ranks, config=config, out_dtype=out_dtype,
-                 rows_per_batch=rows_per_batch, rhs_layout=rhs_layout,
+                 rows_per_batch=rows_per_batch, weight_layout=weight_layout,
                  scale=scale)[0]
 
 
 def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
-            rows_per_batch, rhs_layout, scale):
+            rows_per_batch, weight_layout, scale):
   """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
   ranks every array has a leading rank axis); returns (the output, the
   padded lhs, the receive buffer or None)."""
   lead = lhs.shape[:1] if ring.stacked else ()
   keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
-  rhs_k_major = ring_skeleton.rhs_k_major(rhs_layout)
+  weight_k_major = ring_skeleton.weight_k_major(weight_layout)
   ring_skeleton.check_scale(scale)
   out_dtype = ring_skeleton.check_operands(
       ring_skeleton.per_rank(lhs, ring), ring_skeleton.per_rank(rhs, ring),
-      out_dtype, k_major=rhs_k_major, tile_k=config.tile_k)
+      out_dtype, k_major=weight_k_major, tile_k=config.tile_k)
   m, k = lhs.shape[-2:]
-  n = rhs.shape[-2] if rhs_k_major else rhs.shape[-1]
+  n = rhs.shape[-2] if weight_k_major else rhs.shape[-1]
   axis_size = ring.axis_size
   ring_skeleton.check_config(config, AllGatherConfig)
   ring_skeleton.check_axis(config, axis_size)
@@ -411,11 +411,12 @@ def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
   pad, rows_per_batch = ring_skeleton.tile_plan(config, m, k, n, lhs.dtype,
                                                 out_dtype, rows_per_batch)
   pad_n = 0 if ring_skeleton.clips_columns(
-      config, n, out_dtype, *(() if rhs_k_major else (rhs.dtype,))) else pad.n
+      config, n, out_dtype,
+      *(() if weight_k_major else (rhs.dtype,))) else pad.n
   if pad.m or pad.k:
     lhs = jnp.pad(lhs, keep + ((0, pad.m), (0, pad.k)))
   if pad_n or pad.k:
-    rhs = jnp.pad(rhs, keep + (((0, pad_n), (0, pad.k)) if rhs_k_major else
+    rhs = jnp.pad(rhs, keep + (((0, pad_n), (0, pad.k)) if weight_k_major else
                                ((0, pad.k), (0, pad_n))))
   m_shard, k_pad = lhs.shape[-2:]
   n_out = n + pad_n  # The tiles cover n + pad.n.
@@ -430,7 +431,8 @@ def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
                         m_shard=m_shard, k=k_pad, n=n + pad.n,
                         rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
-                        rhs_k_major=rhs_k_major, scaled=scale is not None),
+                        weight_k_major=weight_k_major,
+                        scaled=scale is not None),
       out_types, ring, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   results = kernel(lhs, rhs, *scales)

@@ -77,11 +77,11 @@ def is_fp8(dtype) -> bool:
   return np.dtype(dtype).name in FP8_DTYPES
 
 
-def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
+def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, weight_k_major: bool,
                tile_k: int) -> str | None:
   """Why the kernels cannot take fp8 operands `lhs_dtype` x `rhs_dtype`
   with results of `out_dtype` (None: bf16), the weight K-major ([n, k],
-  `rhs_k_major`) or not, in k steps of `tile_k`; None if they can."""
+  `weight_k_major`) or not, in k steps of `tile_k`; None if they can."""
   pair = (np.dtype(lhs_dtype).name, np.dtype(rhs_dtype).name)
   if pair not in FP8_PAIRS:
     allowed = ", ".join(f"{a} x {b}" for a, b in FP8_PAIRS)
@@ -90,9 +90,9 @@ def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, rhs_k_major: bool,
   if out not in FP8_OUT_DTYPES:
     return (f"preferred_element_type {out} of an fp8 product (kernel gives "
             "bfloat16 or float32)")
-  if not rhs_k_major:
+  if not weight_k_major:
     return ("an fp8 weight given [k, n]: 8-bit wgmma operands are read "
-            "K-major, pass it as [n, k] (layout 'nk')")
+            "K-major, pass it as [n, k] (weight_layout='nk')")
   if tile_k != FP8_TILE_K:
     return (f"tile_k={tile_k} with fp8 operands (the 128-byte swizzle holds "
             f"{FP8_TILE_K} fp8 elements of k: tile_k={FP8_TILE_K})")

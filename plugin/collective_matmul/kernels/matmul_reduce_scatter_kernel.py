@@ -52,7 +52,7 @@ from collective_matmul.kernels.configs import ReduceScatterConfig
 
 def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
                  m_block, k, n, rows_per_batch, diagnostic_loopback,
-                 w_k_major=False, scaled=False):
+                 weight_k_major=False, scaled=False):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   reduce-scatter's hooks: a tile's k loop sends (and announces) the previous
   tile's partial sum, and its epilogue adds the partial sum it received and
@@ -232,12 +232,12 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
       grid, x_ref, w_ref, out_ref, ring=ring, row_block=row_block,
       begin_tile=begin_tile, delay_release=0,
       scratch=dict(received=plgpu.Barrier(num_barriers=4)),
-      b_k_major=w_k_major, scale_ref=scale_ref)
+      weight_k_major=weight_k_major, scale_ref=scale_ref)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
-                          w_layout: str = "kn", scale=None):
+                          weight_layout: str = "kn", scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
@@ -247,7 +247,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
     x: `[D * m, k]`: all rows, this device's slice of the contraction;
       bf16 or f16, or fp8 (e4m3 or e5m2, `configs.FP8_PAIRS`).
     w: `[k, n]`, the matching rows of the weight, same dtype; or with
-      `w_layout="nk"` given K-major, `[n, k]` (fp8 needs it, e4m3: for
+      `weight_layout="nk"` given K-major, `[n, k]` (fp8 needs it, e4m3: for
       `dy @ w.T` the weight stored `[k_model, n_model]` already is).
     axis_name: mesh axis of the ring (NVLink peers).
     config: tiling and send pacing (`selection.select_reduce_scatter_config`
@@ -258,7 +258,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
       dimension and flattened, pass `s`: row block d is then rows
       `[:, d * s:(d + 1) * s]` and the result is `[b, s, n]` flattened, with
       no transposes. `s` must be a multiple of the CTA tile rows.
-    w_layout: "kn" (`w` is `[k, n]`) or "nk" (`[n, k]`, K-major).
+    weight_layout: "kn" (`w` is `[k, n]`) or "nk" (`[n, k]`, K-major).
     scale: None, or an f32 scalar (shape `()`, the same on every device)
       that each device's partial product is multiplied by, in f32, before
       it is cast and summed: the product of fp8 operands' scales. fp8
@@ -269,7 +269,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   """
   return _launch(x, w, peers.DeviceRing(axis_name, lax.axis_size(axis_name)),
                  config=config, out_dtype=out_dtype,
-                 rows_per_batch=rows_per_batch, w_layout=w_layout,
+                 rows_per_batch=rows_per_batch, weight_layout=weight_layout,
                  scale=scale, axis_label=repr(axis_name))
 
 
@@ -277,7 +277,7 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
                                   config: ReduceScatterConfig,
                                   out_dtype=None,
                                   rows_per_batch: int | None = None,
-                                  w_layout: str = "kn", scale=None):
+                                  weight_layout: str = "kn", scale=None):
   """The reduce-scatter ring as `ranks.axis_size` virtual ranks in one launch
   on one GPU (`peers.VirtualRanks`): the product's kernel and schedule,
   each peer a slice of stacked arrays. For checking the ring on one GPU;
@@ -285,8 +285,8 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
 
   Args:
     x: `[D, D * m, k]`, rank r's slice of the contraction at `x[r]`.
-    w: `[D, k, n]` (or `[D, n, k]` with `w_layout="nk"`).
-    ranks, config, out_dtype, rows_per_batch, w_layout, scale: as
+    w: `[D, k, n]` (or `[D, n, k]` with `weight_layout="nk"`).
+    ranks, config, out_dtype, rows_per_batch, weight_layout, scale: as
       `matmul_reduce_scatter` (the scale is shared by every rank).
 
   Returns:
@@ -294,23 +294,23 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
   """
   peers.check_stacked(ranks, x=x, w=w)
   return _launch(x, w, ranks, config=config, out_dtype=out_dtype,
-                 rows_per_batch=rows_per_batch, w_layout=w_layout,
+                 rows_per_batch=rows_per_batch, weight_layout=weight_layout,
                  scale=scale, axis_label="the virtual ranks")
 
 
 def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
-            rows_per_batch, w_layout, scale, axis_label):
+            rows_per_batch, weight_layout, scale, axis_label):
   """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
   ranks every array has a leading rank axis); returns the output."""
   lead = x.shape[:1] if ring.stacked else ()
   keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
-  w_k_major = ring_skeleton.rhs_k_major(w_layout, "w")
+  weight_k_major = ring_skeleton.weight_k_major(weight_layout)
   ring_skeleton.check_scale(scale)
   out_dtype = ring_skeleton.check_operands(
       ring_skeleton.per_rank(x, ring), ring_skeleton.per_rank(w, ring),
-      out_dtype, names=("x", "w"), k_major=w_k_major, tile_k=config.tile_k)
+      out_dtype, names=("x", "w"), k_major=weight_k_major, tile_k=config.tile_k)
   rows, k = x.shape[-2:]
-  n = w.shape[-2] if w_k_major else w.shape[-1]
+  n = w.shape[-2] if weight_k_major else w.shape[-1]
   axis_size = ring.axis_size
   if rows % axis_size:
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
@@ -327,13 +327,13 @@ def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
   # The output's last columns may be left to TMA; the receive buffer,
   # written and read only by the kernels, keeps whole tiles.
   pad_n = 0 if ring_skeleton.clips_columns(
-      config, n, out_dtype, *(() if w_k_major else (w.dtype,))) else pad.n
+      config, n, out_dtype, *(() if weight_k_major else (w.dtype,))) else pad.n
   if pad.m or pad.k:
     x = jnp.pad(x.reshape(*lead, axis_size, m, k),
                 keep + ((0, 0), (0, pad.m), (0, pad.k)))
     x = x.reshape(*lead, axis_size * (m + pad.m), k + pad.k)
   if pad_n or pad.k:
-    w = jnp.pad(w, keep + (((0, pad_n), (0, pad.k)) if w_k_major else
+    w = jnp.pad(w, keep + (((0, pad_n), (0, pad.k)) if weight_k_major else
                            ((0, pad.k), (0, pad_n))))
   m_block, k_pad = m + pad.m, k + pad.k
   n_pad = n + pad.n
@@ -347,7 +347,8 @@ def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
                         m_block=m_block, k=k_pad, n=n_pad,
                         rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
-                        w_k_major=w_k_major, scaled=scale is not None),
+                        weight_k_major=weight_k_major,
+                        scaled=scale is not None),
       out_types, ring, cluster_size=config.cluster_size)
   scales = () if scale is None else (scale.reshape(1),)
   out = kernel(x, w, *scales)[0]

@@ -20,7 +20,7 @@ def swizzled(dtype, cols: int):
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
                     delay_release=1, before_load=None, chained=False,
-                    first_step=None, multicast=None, b_k_major=False,
+                    first_step=None, multicast=None, weight_k_major=False,
                     owner=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
@@ -59,7 +59,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   free again only once both blocks' compute warpgroups consumed it (the
   consumed barriers are cluster barriers). None: no cluster.
 
-  `b_k_major`: B is given K-major, `[n, k]` (its k blocks are
+  `weight_k_major`: B is given K-major, `[n, k]` (its k blocks are
   `(cta_tile_n, tile_k)`, as 8-bit wgmma operands must be read); the body
   then multiplies by the slot transposed. False: `[k, n]`.
 
@@ -82,8 +82,8 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         stages=max_concurrent_steps, order=order, before_load=before_load,
-        first_step=first_step, multicast=multicast, b_k_major=b_k_major,
-        owner=owner)
+        first_step=first_step, multicast=multicast,
+        weight_k_major=weight_k_major, owner=owner)
 
   def waited_body(idxs, a_smem, b_smem, carry):
     carry = body(idxs, a_smem, b_smem, carry)
@@ -100,7 +100,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
     return 0, order(kk)
 
   transforms = swizzled(dtype, tile_k)
-  if b_k_major:
+  if weight_k_major:
     b_spec = plgpu.BlockSpec((cta_tile_n, tile_k), lambda kk: (0, order(kk)),
                              transforms=transforms, memory_space=plgpu.SMEM,
                              delay_release=delay_release,
@@ -163,7 +163,7 @@ class _OffsetChain:
   JAX's, so `chain_slots_free` and the skeleton's allocation are the same
   for both; with `multicast` as JAX's with that BlockSpec's
   `collective_axes` (cluster barriers for `consumed`, one operand loaded
-  by multicast; with `b_k_major` B's slots are `(cta_tile_n, tile_k)`).
+  by multicast; with `weight_k_major` B's slots are `(cta_tile_n, tile_k)`).
 
   With `owner` (ping-pong): only compute warpgroup `owner` runs the tile
   (it frees each slot alone: `consumed` takes 1 arrival), and a load lands
@@ -179,7 +179,7 @@ class _OffsetChain:
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step,
-               multicast=None, b_k_major=False, owner=None):
+               multicast=None, weight_k_major=False, owner=None):
     self.body, self.compute_context = body, compute_context
     self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
                                                      tile_k)
@@ -187,11 +187,11 @@ class _OffsetChain:
     self.before_load, self.first_step = before_load, first_step
     self.transforms = swizzled(dtype, tile_k)
     self.multicast = multicast
-    self.b_k_major = b_k_major
+    self.weight_k_major = weight_k_major
     self.owner = owner
 
   def b_block_shape(self):
-    return ((self.cta_tile_n, self.tile_k) if self.b_k_major else
+    return ((self.cta_tile_n, self.tile_k) if self.weight_k_major else
             (self.tile_k, self.cta_tile_n))
 
   def get_allocations(self, a_ref, b_ref):
@@ -247,7 +247,7 @@ class _OffsetChain:
                                 a_smem.at[s], produced_at(s),
                                 **_shared("n", self.multicast))
         b_block = (b_ref.at[pl.ds(0, self.cta_tile_n), cols]
-                   if self.b_k_major else
+                   if self.weight_k_major else
                    b_ref.at[cols, pl.ds(0, self.cta_tile_n)])
         plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced_at(s),
                                 **_shared("m", self.multicast))

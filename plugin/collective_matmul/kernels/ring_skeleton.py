@@ -49,12 +49,12 @@ def kernel_call(body, out_types, ring, cluster_size: int = 1):
 _JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 # The layouts a kernel takes its weight in: "kn" (`[k, n]`) or "nk"
 # (`[n, k]`, K-major).
-RHS_LAYOUTS = ("kn", "nk")
+WEIGHT_LAYOUTS = ("kn", "nk")
 
 
-def rhs_k_major(layout, name="rhs") -> bool:
-  """Whether a weight given in `layout` (`RHS_LAYOUTS`) is K-major."""
-  if layout not in RHS_LAYOUTS:
+def weight_k_major(layout, name="weight") -> bool:
+  """Whether a weight given in `layout` (`WEIGHT_LAYOUTS`) is K-major."""
+  if layout not in WEIGHT_LAYOUTS:
     raise ValueError(f"{name}_layout={layout!r} must be 'kn' ([k, n]) or "
                      "'nk' ([n, k], K-major)")
   return layout == "nk"
@@ -409,7 +409,7 @@ def persistent_loop(total: int, num_blocks, block):
 
 def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
                    begin_tile, delay_release, k_order=None, scratch=None,
-                   num_blocks: int | None = None, b_k_major: bool = False,
+                   num_blocks: int | None = None, weight_k_major: bool = False,
                    scale_ref=None):
   """The body both ring kernels run: one persistent loop over the tiles of
   all D ring steps, each tile a warp-specialized pipeline (allocated once)
@@ -421,7 +421,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
     ring: the ranks' seam (`peers`): this rank's blocks.
     a_ref, b_ref, out_ref: A (rows chosen per tile by the hooks), B (whose
       CTA-tile columns every tile multiplies; `[k, n]`, or `[n, k]` with
-      `b_k_major`) and the output. The operands' dtypes are the wgmma's:
+      `weight_k_major`) and the output. The operands' dtypes are the wgmma's:
       bf16 or f16, or fp8 (K-major B, `configs.fp8_reason`).
     row_block: `row_block(step, m_idx) -> (block, out_rows)`: the ring's
       row block a tile works on and the output rows it writes.
@@ -433,7 +433,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
       (reach them through `Tile.scratch`).
     num_blocks: run the tiles on the first `num_blocks` blocks only (the
       others are the collective's, e.g. dedicated senders); default all.
-    b_k_major: B is `[n, k]`; its k blocks are multiplied transposed.
+    weight_k_major: B is `[n, k]`; its k blocks are multiplied transposed.
     scale_ref: a `(1,)` f32 in global memory that every accumulator is
       multiplied by in the epilogue (`Tile.accumulator`), or None.
   """
@@ -460,11 +460,12 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
         chained=chained, first_step=first_step,
-        multicast=config.cluster_dimension, b_k_major=b_k_major, owner=owner)
+        multicast=config.cluster_dimension, weight_k_major=weight_k_major,
+        owner=owner)
 
   def b_columns(cols):
     """B's k blocks of the output columns `cols`."""
-    return b_ref.at[cols, :] if b_k_major else b_ref.at[:, cols]
+    return b_ref.at[cols, :] if weight_k_major else b_ref.at[:, cols]
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(
@@ -528,7 +529,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         # The pipeline waits for the wgmma (`matmul_pipeline`).
-        if b_k_major:
+        if weight_k_major:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].T)
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
