@@ -121,7 +121,7 @@ with jax.set_mesh(mesh):
   a8 = fp8_global(a_full[i * m:(i + 1) * m], P("x", None), e4m3)
   b8 = fp8_global(bt[i * n:(i + 1) * n], P("x", None), e4m3)
   ag8 = functools.partial(
-      kernels.all_gather_lhs_matmul, axis_name="x", rhs_layout="nk",
+      kernels.all_gather_lhs_matmul, axis_name="x", weight_layout="nk",
       config=selection.select_config(m, k, n, e4m3, 2, facts,
                                      out_dtype=jnp.bfloat16, rhs_dtype=e4m3))
   f8 = jax.jit(jax.shard_map(lambda a, b: ag8(a, b, scale=jnp.float32(scale)),
@@ -131,7 +131,7 @@ with jax.set_mesh(mesh):
   x8 = fp8_global(a_full[:, i * kh:(i + 1) * kh], P(None, "x"), e5m2)
   w8 = fp8_global(bt[:n, i * kh:(i + 1) * kh], P(None, "x"), e4m3)
   rs8 = functools.partial(
-      kernels.matmul_reduce_scatter, axis_name="x", w_layout="nk",
+      kernels.matmul_reduce_scatter, axis_name="x", weight_layout="nk",
       config=selection.select_reduce_scatter_config(
           m, kh, n, e5m2, 2, facts, out_dtype=jnp.bfloat16, rhs_dtype=e4m3))
   g8 = jax.jit(jax.shard_map(lambda x, w: rs8(x, w, scale=jnp.float32(scale)),
