@@ -125,7 +125,9 @@ def choose(requested: Impl | str, collective: Collective | str,
   can, small problems included; where it cannot, that is a fallback
   (`is_fallback`). The backward's collective matmul (the other collective,
   `problem.backward()`) is chosen by the same rules once the forward runs
-  the kernel.
+  the kernel. Where a kernel runs, the plan also says how it takes its
+  operands: the weight K-major for fp8, the rows in their runs where the
+  config's tiles fit them (`plan.KernelPlan.for_rows`).
 
   Args:
     requested: the configured implementation (auto, pallas, ring, baseline).
