@@ -306,6 +306,7 @@ def _program(case: Case):
 def _operands(specs, seed):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
   keys = jax.random.split(jax.random.key(seed), len(specs))
   out = []
   for key, spec in zip(keys, specs):
@@ -313,7 +314,7 @@ def _operands(specs, seed):
       out.append(jnp.float32(SCALE))
       continue
     x = jax.random.normal(key, spec.shape, jnp.float32)
-    if jnp.dtype(spec.dtype).itemsize == 1:
+    if configs.is_fp8(spec.dtype):
       x = x * 2.0  # fp8: use the format's range, not only its subnormals.
     out.append(x.astype(spec.dtype))
   return out
