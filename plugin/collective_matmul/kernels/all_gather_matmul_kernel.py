@@ -433,7 +433,7 @@ def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         weight_k_major=weight_k_major,
                         scaled=scale is not None),
-      out_types, ring, cluster_size=config.cluster_size)
+      out_types, ring)
   scales = () if scale is None else (scale.reshape(1),)
   results = kernel(lhs, rhs, *scales)
   out = results[0]

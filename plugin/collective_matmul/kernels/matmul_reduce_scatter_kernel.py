@@ -349,7 +349,7 @@ def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         weight_k_major=weight_k_major,
                         scaled=scale is not None),
-      out_types, ring, cluster_size=config.cluster_size)
+      out_types, ring)
   scales = () if scale is None else (scale.reshape(1),)
   out = kernel(x, w, *scales)[0]
   return out[..., :m, :n] if (pad.m or pad_n) else out

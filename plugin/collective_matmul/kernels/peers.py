@@ -69,9 +69,9 @@ class DeviceRing:
 
   stacked = False  # Arrays are per device, not stacked over ranks.
 
-  def launch_blocks(self, cluster_size: int, sm_count: int) -> int:
-    """The blocks of the launch (one per SM, counted in clusters)."""
-    return sm_count // cluster_size
+  def launch_blocks(self, sm_count: int) -> int:
+    """The blocks of the launch: one per SM."""
+    return sm_count
 
   def start(self):
     """Run first in the kernel (nothing for devices)."""
@@ -155,9 +155,7 @@ class VirtualRanks:
     """D equal shares of `sm_count` SMs."""
     return cls(axis_size, (sm_count // axis_size,) * axis_size, **kwargs)
 
-  def launch_blocks(self, cluster_size: int, sm_count: int) -> int:
-    if cluster_size != 1:
-      raise ValueError("virtual ranks run no block clusters")
+  def launch_blocks(self, sm_count: int) -> int:
     if sum(self.shares) > sm_count:
       raise ValueError(f"shares {self.shares} exceed the {sm_count} SMs: "
                        "every block must be resident")

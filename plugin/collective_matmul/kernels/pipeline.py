@@ -20,8 +20,7 @@ def swizzled(dtype, cols: int):
 def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                     k_iters, dtype, max_concurrent_steps, k_order=None,
                     delay_release=1, before_load=None, chained=False,
-                    first_step=None, multicast=None, weight_k_major=False,
-                    owner=None):
+                    first_step=None, weight_k_major=False, owner=None):
   """The warp-specialized k loop: 2 compute warpgroups, 1 memory warpgroup.
 
   `k_order(step)` gives the k block loaded at pipeline step `step`
@@ -52,13 +51,6 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   lets the next TMA load overwrite a slot a wgmma still reads
   (`tests/kernels` checks every wait against the release).
 
-  `multicast` ("m" or "n", `TileConfig.cluster_dimension`): the block is
-  one of a 2-block cluster along that dimension, whose blocks run the same
-  steps on the same B ("m") or A ("n") k blocks: that operand is loaded
-  once for both, by TMA multicast (each block loads half), and a slot is
-  free again only once both blocks' compute warpgroups consumed it (the
-  consumed barriers are cluster barriers). None: no cluster.
-
   `weight_k_major`: B is given K-major, `[n, k]` (its k blocks are
   `(cta_tile_n, tile_k)`, as 8-bit wgmma operands must be read); the body
   then multiplies by the slot transposed. False: `[k, n]`.
@@ -69,8 +61,6 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   `chained` and `first_step`. None: both run it.
   """
   order = k_order or (lambda kk: kk)
-  if multicast not in (None, "m", "n"):
-    raise ValueError(f"{multicast=} must be None, 'm' or 'n'")
   if owner is not None and (not chained or first_step is None):
     raise ValueError("a ping-pong pipeline (owner) is chained, with "
                      "first_step")
@@ -82,8 +72,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
         body, compute_context, cta_tile_m=cta_tile_m, cta_tile_n=cta_tile_n,
         tile_k=tile_k, k_iters=k_iters, dtype=dtype,
         stages=max_concurrent_steps, order=order, before_load=before_load,
-        first_step=first_step, multicast=multicast,
-        weight_k_major=weight_k_major, owner=owner)
+        first_step=first_step, weight_k_major=weight_k_major, owner=owner)
 
   def waited_body(idxs, a_smem, b_smem, carry):
     carry = body(idxs, a_smem, b_smem, carry)
@@ -103,13 +92,11 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
   if weight_k_major:
     b_spec = plgpu.BlockSpec((cta_tile_n, tile_k), lambda kk: (0, order(kk)),
                              transforms=transforms, memory_space=plgpu.SMEM,
-                             delay_release=delay_release,
-                             **_shared("m", multicast))
+                             delay_release=delay_release)
   else:
     b_spec = plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (order(kk), 0),
                              transforms=transforms, memory_space=plgpu.SMEM,
-                             delay_release=delay_release,
-                             **_shared("m", multicast))
+                             delay_release=delay_release)
   return plgpu.emit_pipeline_warp_specialized(
       waited_body,
       grid=(k_iters,),
@@ -117,8 +104,7 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       in_specs=[
           plgpu.BlockSpec((cta_tile_m, tile_k), a_block,
                           transforms=transforms, memory_space=plgpu.SMEM,
-                          delay_release=delay_release,
-                          **_shared("n", multicast)),
+                          delay_release=delay_release),
           b_spec,
       ],
       wg_axis="wg",
@@ -127,19 +113,6 @@ def matmul_pipeline(body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
       compute_context=compute_context,
       pipeline_state=plgpu.PipelinePipeline.STEADY if chained else None,
   )
-
-
-# The cluster axis of `ring_skeleton.kernel_call`.
-CLUSTER_AXIS = "cluster"
-
-
-def _shared(cluster_dimension, multicast):
-  """BlockSpec arguments of the operand that blocks clustered along
-  `cluster_dimension` share (A along n, B along m) when `multicast` is
-  that dimension."""
-  if multicast != cluster_dimension:
-    return {}
-  return dict(collective_axes=(CLUSTER_AXIS,))
 
 
 # Registers per thread: the memory warpgroup's, and what that leaves each of
@@ -161,9 +134,7 @@ class _OffsetChain:
   issues wgmmas), wait for its wgmmas and free the slot, as JAX's
   pipeline does with `delay_release=0`. Allocations have the layout of
   JAX's, so `chain_slots_free` and the skeleton's allocation are the same
-  for both; with `multicast` as JAX's with that BlockSpec's
-  `collective_axes` (cluster barriers for `consumed`, one operand loaded
-  by multicast; with `weight_k_major` B's slots are `(cta_tile_n, tile_k)`).
+  for both (with `weight_k_major` B's slots are `(cta_tile_n, tile_k)`).
 
   With `owner` (ping-pong): only compute warpgroup `owner` runs the tile
   (it frees each slot alone: `consumed` takes 1 arrival), and a load lands
@@ -179,14 +150,13 @@ class _OffsetChain:
 
   def __init__(self, body, compute_context, *, cta_tile_m, cta_tile_n, tile_k,
                k_iters, dtype, stages, order, before_load, first_step,
-               multicast=None, weight_k_major=False, owner=None):
+               weight_k_major=False, owner=None):
     self.body, self.compute_context = body, compute_context
     self.cta_tile_m, self.cta_tile_n, self.tile_k = (cta_tile_m, cta_tile_n,
                                                      tile_k)
     self.k_iters, self.stages, self.order = k_iters, stages, order
     self.before_load, self.first_step = before_load, first_step
     self.transforms = swizzled(dtype, tile_k)
-    self.multicast = multicast
     self.weight_k_major = weight_k_major
     self.owner = owner
 
@@ -196,13 +166,8 @@ class _OffsetChain:
 
   def get_allocations(self, a_ref, b_ref):
     pingpong = self.owner is not None
-    if self.multicast is None:
-      consumed = plgpu.Barrier(num_arrivals=1 if pingpong else 2,
-                               num_barriers=self.stages)
-    else:
-      consumed = plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,),
-                                      num_arrivals=1 if pingpong else 2,
-                                      num_barriers=self.stages)
+    consumed = plgpu.Barrier(num_arrivals=1 if pingpong else 2,
+                             num_barriers=self.stages)
     return dict(
         flat_in_smem_refs=[
             plgpu.SMEM((self.stages, self.cta_tile_m, self.tile_k),
@@ -244,13 +209,11 @@ class _OffsetChain:
           self.before_load(kk)
         cols = pl.ds(self.order(kk) * tile_k, tile_k)
         plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(0, self.cta_tile_m), cols],
-                                a_smem.at[s], produced_at(s),
-                                **_shared("n", self.multicast))
+                                a_smem.at[s], produced_at(s))
         b_block = (b_ref.at[pl.ds(0, self.cta_tile_n), cols]
                    if self.weight_k_major else
                    b_ref.at[cols, pl.ds(0, self.cta_tile_n)])
-        plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced_at(s),
-                                **_shared("m", self.multicast))
+        plgpu.copy_gmem_to_smem(b_block, b_smem.at[s], produced_at(s))
 
     @pl.when(wg < 2 if self.owner is None else wg == self.owner)
     def _compute():
@@ -313,18 +276,3 @@ def chain_slots_free(pipeline_allocs, wg_idx, max_concurrent_steps,
     for slot in range(max_concurrent_steps):
       plgpu.barrier_arrive(consumed.at[slot])
 
-
-def chain_drain(pipeline_allocs, wg_idx, max_concurrent_steps, steps):
-  """After the last of chained pipelines in a 2-block cluster, `steps`
-  pipeline steps in all: the memory warpgroup waits for the consumption
-  of the last `max_concurrent_steps` steps (slots (steps + j) % depth),
-  which no load waited for. Chained pipelines skip JAX's final wait, which
-  a block alone does not need; in a cluster the peer's compute warpgroups
-  arrive on this block's consumed barriers, so the block must not exit
-  before they have."""
-  [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
-
-  @pl.when(wg_idx == 2)
-  def _drain():
-    for j in range(max_concurrent_steps):
-      plgpu.barrier_wait(consumed.at[lax.rem(steps + j, max_concurrent_steps)])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -17,29 +16,26 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from collective_matmul.kernels import configs
+from collective_matmul.kernels import peers
 from collective_matmul.kernels import schedule
 from collective_matmul.kernels import tracing
 from collective_matmul.kernels.pipeline import can_chain
-from collective_matmul.kernels.pipeline import chain_drain
 from collective_matmul.kernels.pipeline import chain_slots_free
 from collective_matmul.kernels.pipeline import matmul_pipeline
 from collective_matmul.kernels.pipeline import swizzled
 
 
-def kernel_call(body, out_types, ring, cluster_size: int = 1):
+def kernel_call(body, out_types, ring):
   """A persistent kernel: one block per SM, 3 warpgroups (traced under
-  `tracing.trace_warpgroups`), in clusters of `cluster_size` blocks
-  (`TileConfig.cluster_size`; the grid then counts clusters); with virtual
-  ranks (`peers.VirtualRanks`) the blocks of their shares."""
+  `tracing.trace_warpgroups`); with virtual ranks (`peers.VirtualRanks`)
+  the blocks of their shares."""
   params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                 **tracing.profiler_params())
   return plgpu.kernel(
       body,
       out_type=out_types,
-      grid=(ring.launch_blocks(cluster_size, configs.sm_count()),),
-      grid_names=("cluster_grid",),
-      cluster=(cluster_size,),
-      cluster_names=("cluster",),
+      grid=(ring.launch_blocks(configs.sm_count()),),
+      grid_names=(peers.GRID_AXIS,),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(**params),
@@ -158,7 +154,7 @@ def clips_columns(config, n, *n_minor_dtypes) -> bool:
   its shared-memory tiling (at most a 128-byte swizzle's width:
   `n_minor_dtypes`, those of the arrays whose rows run along n), and the
   pipeline's allocation takes one whole CTA tile of columns."""
-  return n >= config.cluster_tile_n and all(
+  return n >= config.cta_tile_n and all(
       n % (_MAX_SWIZZLE_BYTES // jnp.dtype(dtype).itemsize) == 0
       for dtype in n_minor_dtypes)
 
@@ -213,27 +209,14 @@ class TileGrid:
     return acc[mi * c.epi_tile_m:(mi + 1) * c.epi_tile_m,
                ni * c.epi_tile_n:(ni + 1) * c.epi_tile_n]
 
-  @property
-  def cluster_iters(self) -> tuple[int, int]:
-    """Cluster tiles along m and n (CTA tiles without a cluster)."""
-    c = self.config
-    return (self.m_iters // (2 if c.cluster_dimension == "m" else 1),
-            self.n_iters // (2 if c.cluster_dimension == "n" else 1))
-
   def coordinates(self, linear):
     """Linear tile index -> (ring step, m tile, n tile): steps outermost,
-    a planar snake within a step. With a cluster the linear index counts
-    cluster tiles, and this block's CTA tile is its cluster index's half."""
+    a planar snake within a step."""
     c = self.config
-    cluster_m, cluster_n = self.cluster_iters
-    step, in_step = schedule.tile_coordinates(linear, cluster_m, cluster_n)
+    step, in_step = schedule.tile_coordinates(linear, self.m_iters,
+                                              self.n_iters)
     m_idx, n_idx = plgpu.planar_snake(
-        in_step, (cluster_m, cluster_n),
-        0 if c.grid_minor_dim == "m" else 1, c.grid_tile_width)
-    if c.cluster_dimension == "m":
-      m_idx = m_idx * 2 + lax.axis_index("cluster")
-    elif c.cluster_dimension == "n":
-      n_idx = n_idx * 2 + lax.axis_index("cluster")
+        in_step, (self.m_iters, self.n_iters), 0, c.grid_tile_width)
     return step, m_idx, n_idx
 
 
@@ -441,8 +424,6 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
   dtype, out_dtype = a_ref.dtype, out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   wg_idx = grid.wg_idx
-  if config.cluster_dimension is not None and num_blocks is not None:
-    raise ValueError("a cluster config runs its tiles on every block")
 
   chained = can_chain(config, grid.k_iters, delay_release)
   if config.pingpong and not chained:
@@ -459,8 +440,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
         tile_k=config.tile_k, k_iters=grid.k_iters, dtype=dtype,
         max_concurrent_steps=config.max_concurrent_steps, k_order=order,
         delay_release=delay_release, before_load=before_load,
-        chained=chained, first_step=first_step,
-        multicast=config.cluster_dimension, weight_k_major=weight_k_major,
+        chained=chained, first_step=first_step, weight_k_major=weight_k_major,
         owner=owner)
 
   def b_columns(cols):
@@ -490,9 +470,9 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
                        pingpong=config.pingpong)
     # Read once per block; every epilogue multiplies by it.
     scale = None if scale_ref is None else scale_ref[0]
-    total = grid.axis_size * math.prod(grid.cluster_iters)
+    total = grid.axis_size * grid.m_iters * grid.n_iters
     if num_blocks is None and ring.whole_grid():
-      loop = plgpu.nd_loop((total,), collective_axes="cluster_grid")
+      loop = plgpu.nd_loop((total,), collective_axes=peers.GRID_AXIS)
     else:
       loop = persistent_loop(
           total, ring.blocks() if num_blocks is None else num_blocks,
@@ -547,15 +527,5 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
             allocations=pipeline_allocs)
 
       hooks.run(matmul)
-
-    if chained and config.cluster_dimension is not None:
-      # This cluster's tiles (`plgpu.nd_loop` deals them out round-robin)
-      # times k_iters: the pipeline steps the block ran.
-      clusters = lax.axis_size("cluster_grid")
-      tiles = jnp.maximum(
-          lax.div(jnp.int32(total) - lax.axis_index("cluster_grid")
-                  + clusters - 1, clusters), 0)
-      chain_drain(pipeline_allocs, wg_idx, config.max_concurrent_steps,
-                  tiles * grid.k_iters)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)

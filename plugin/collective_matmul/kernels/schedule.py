@@ -31,15 +31,15 @@ class Padding:
 
 def padding(config: TileConfig, m: int, k: int, n: int) -> Padding:
   up = lambda x, t: -x % t
-  return Padding(m=up(m, config.cluster_tile_m), k=up(k, config.tile_k),
-                 n=up(n, config.cluster_tile_n))
+  return Padding(m=up(m, config.cta_tile_m), k=up(k, config.tile_k),
+                 n=up(n, config.cta_tile_n))
 
 
 def supports_rows_per_batch(config: TileConfig, m: int,
                             rows_per_batch: int) -> bool:
   """Whether the kernel can write `[b, D * s, n]` directly for this shard."""
   return (m % rows_per_batch == 0
-          and rows_per_batch % config.cluster_tile_m == 0)
+          and rows_per_batch % config.cta_tile_m == 0)
 
 
 def tile_coordinates(linear, m_iters, n_iters):
