@@ -228,7 +228,7 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
   dtype = lhs_local_ref.dtype
   slots = config.sender_slots(jnp.dtype(dtype).itemsize)
   ahead, in_flight = schedule.sender_pipeline(slots)
-  lag = plan.announce_lag(in_flight, config.sender_announce_lag)
+  lag = plan.announce_lag(in_flight)
   num_chunks = (ring.axis_size - 1) * plan.chunks_per_step(sender)
 
   def chunk(c):

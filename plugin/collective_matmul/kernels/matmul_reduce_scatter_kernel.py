@@ -21,7 +21,8 @@ Overlap details:
   the SM's TMA unit and the pipeline's loads queue behind it, so no SM
   sends much at once;
 * its arrival is announced `send_gap` steps after its last send, still
-  inside that k loop (`early_announce`; wait for the stores, then signal),
+  inside that k loop (wait for the stores, then signal; after it where the
+  loop is too short: `schedule.partial_announce_step`),
   so the peer finds it landed when its own loop ends, and no warpgroup
   waits on NVLink while it could compute; a block's last tile sends and
   announces from its own epilogue;
@@ -102,7 +103,7 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
   # k loop once its stores had `send_gap` steps to land, else after it.
   announce_step = (schedule.partial_announce_step(
       k_iters, len(send_plan), config.send_gap, defer)
-                   if multi and config.early_announce else None)
+                   if multi else None)
 
   def announce(step, m_idx, n_idx):
     """Signals the peer once this warpgroup's stores of a tile landed."""

@@ -201,15 +201,12 @@ class SenderPlan:
                          self.k_iters - unit * self.sender_sms)
     return send_plan(self.k_iters, self.sender_sms, True)[1]
 
-  def announce_lag(self, in_flight: int, lag: int | None) -> int:
-    """Chunks after a unit's last store that it is announced: `lag` when
-    given (`AllGatherConfig.sender_announce_lag`), else k-major at once,
-    once every store has landed: its tiles wait for each group as they
-    reach it, and the drain costs less than announcing late. By rows twice
-    the stores in flight, so that announcing waits only for stores that
-    old."""
-    if lag is not None:
-      return lag
+  def announce_lag(self, in_flight: int) -> int:
+    """Chunks after a unit's last store that it is announced, once that
+    store has landed: k-major at once, once every store has landed (its
+    tiles wait for each group as they reach it, and the drain costs less
+    than announcing late); by rows twice the stores in flight, so that
+    announcing waits only for stores that old."""
     return 0 if self.k_major else 2 * in_flight
 
 
