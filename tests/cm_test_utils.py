@@ -42,8 +42,8 @@ def kernel_configs(pattern):
   """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
   for CUDA, interpreted) cover: each schedule and send kind, chained at and
   off the pipeline depth (`_OffsetChain`), 64 x 256 warpgroup tiles,
-  one-slot epilogues and (on a one-device axis only) 2-block clusters and
-  ping-pong warpgroups.
+  one-slot epilogues and (on a one-device axis only) ping-pong
+  warpgroups.
   `pattern`: "all_gather" or "reduce_scatter"."""
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   ag, rs = kernels.AllGatherConfig, kernels.ReduceScatterConfig
@@ -70,13 +70,6 @@ def kernel_configs(pattern):
         "one_slot_wide": ag(tile_m=64, tile_n=256, wg_dimension="m",
                             epi_tile_m=64, epi_tile_n=256, epi_slots=1,
                             max_concurrent_steps=3, chain_tiles=True),
-        # 2-block clusters sharing B by multicast (one-device axis only),
-        # in JAX's pipeline and in `_OffsetChain`.
-        "cluster_m": ag(cluster_dimension="m"),
-        "cluster_n_chained": ag(chain_tiles=True, eager_release=True,
-                                cluster_dimension="n"),
-        "cluster_m_offset_chain": ag(chain_tiles=True, max_concurrent_steps=3,
-                                     cluster_dimension="m"),
         # Ping-pong warpgroups (one-device axis only), each on whole
         # 128 x 128 tiles; a one-slot epilogue too.
         "pingpong": ag(chain_tiles=True, pingpong=True),
@@ -89,9 +82,6 @@ def kernel_configs(pattern):
         "pingpong_one_slot": ag(chain_tiles=True, pingpong=True,
                                 epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                 max_concurrent_steps=5),
-        # In 2-block clusters sharing B (as cuBLAS's 128 x 160 tiles).
-        "pingpong_cluster_m": ag(chain_tiles=True, pingpong=True,
-                                 cluster_dimension="m"),
     }
   if pattern == "reduce_scatter":
     return {
@@ -108,9 +98,6 @@ def kernel_configs(pattern):
                                     epi_tile_m=64, epi_tile_n=256,
                                     epi_slots=1, max_concurrent_steps=3,
                                     send_pieces=2, chain_tiles=True),
-        "cluster_m_chained": rs(epi_tile_n=128, max_concurrent_steps=3,
-                                send_pieces=2, chain_tiles=True,
-                                cluster_dimension="m"),
         "pingpong": rs(chain_tiles=True, pingpong=True),
     }
   raise ValueError(f"pattern {pattern!r}")

@@ -110,7 +110,7 @@ def upstream_config(cfg, cluster):
       tile_m=cfg.tile_m, tile_n=cfg.tile_n, tile_k=cfg.tile_k,
       max_concurrent_steps=cfg.max_concurrent_steps,
       epi_tile_m=cfg.epi_tile_m, epi_tile_n=cfg.epi_tile_n,
-      grid_minor_dim=dim[cfg.grid_minor_dim],
+      grid_minor_dim=hm.MatmulDimension.M,  # Ours, always.
       grid_tile_width=cfg.grid_tile_width,
       wg_dimension=dim[cfg.wg_dimension],
       cluster_dimension=None if cluster is None else dim[cluster])
@@ -133,8 +133,7 @@ def core_ag_config(big_m, k, n, device=None):
   off: one device has no ring. Also returns the picked config."""
   ag = selection.select_config(big_m // 2, k, n, jnp.bfloat16, 2,
                                device=device)
-  return dataclasses.replace(ag, sender_sms=0, k_major_sends=False,
-                             sender_announce_lag=None), ag
+  return dataclasses.replace(ag, sender_sms=0, k_major_sends=False), ag
 
 
 def our_configs(big_m, k, n, variants, device=None):
@@ -176,8 +175,7 @@ def fp8_core_configs(big_m, k, n, variants, device=None):
   apply has its error in place of the config."""
   ag_pick = selection.select_config(big_m // 2, k, n, E4M3, 2, device=device,
                                     out_dtype=jnp.bfloat16)
-  ag_core = dataclasses.replace(ag_pick, sender_sms=0, k_major_sends=False,
-                                sender_announce_lag=None)
+  ag_core = dataclasses.replace(ag_pick, sender_sms=0, k_major_sends=False)
   rs_core = selection.select_reduce_scatter_config(
       big_m // 2, k, n, E5M2, 2, device=device, out_dtype=jnp.bfloat16,
       rhs_dtype=E4M3)

@@ -59,7 +59,7 @@ class Collective(_Vocabulary):
 class MatmulDimension(_Vocabulary):
   """A dimension of a matmul's output (as JAX's
   `hopper_matmul_mgpu.MatmulDimension`): the kernel configs' split of a
-  tile between warpgroups, order of tiles and 2-block clusters."""
+  tile between warpgroups (`TileConfig.wg_dimension`)."""
 
   M = "m"  # Rows.
   N = "n"  # Columns.

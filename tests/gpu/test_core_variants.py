@@ -1,8 +1,7 @@
 """Opt-in core variants of both kernels, on a one-device mesh, against an
-f32 reference with the output poisoned, twice, bit for bit: 2-block
-clusters sharing one operand by TMA multicast (`TileConfig.cluster_dimension`,
-D = 1 only), one-slot epilogues (`TileConfig.epi_slots`) and ping-pong
-warpgroups (`TileConfig.pingpong`, D = 1 only)."""
+f32 reference with the output poisoned, twice, bit for bit: one-slot
+epilogues (`TileConfig.epi_slots`) and ping-pong warpgroups
+(`TileConfig.pingpong`, D = 1 only)."""
 import functools
 
 import jax
@@ -19,23 +18,6 @@ from gpu_env import ring_mesh as _mesh
 
 AG, RS = kernels.AllGatherConfig, kernels.ReduceScatterConfig
 CONFIGS = {
-    # Chained at the depth (JAX's pipeline) and off it (`_OffsetChain`).
-    "ag_m_chained": AG(chain_tiles=True, eager_release=True,
-                       cluster_dimension="m"),
-    "ag_n_chained": AG(chain_tiles=True, eager_release=True,
-                       cluster_dimension="n"),
-    "ag_m": AG(cluster_dimension="m"),
-    "ag_m_wide_chained": AG(tile_m=64, tile_n=256, wg_dimension="m",
-                            chain_tiles=True, cluster_dimension="m"),
-    "ag_m_offset_chain": AG(chain_tiles=True, max_concurrent_steps=3,
-                            cluster_dimension="m"),
-    "rs_m_wide_chained": RS(tile_m=64, tile_n=256, wg_dimension="m",
-                            epi_tile_n=128, max_concurrent_steps=3,
-                            send_pieces=2, chain_tiles=True,
-                            cluster_dimension="m"),
-    "rs_m_chained": RS(epi_tile_n=128, max_concurrent_steps=3,
-                       send_pieces=2, chain_tiles=True,
-                       cluster_dimension="m"),
     # One epilogue slot per warpgroup, the whole warpgroup tile.
     "ag_one_slot": AG(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                       max_concurrent_steps=3, chain_tiles=True),
@@ -54,16 +36,13 @@ CONFIGS = {
     "ag_pingpong_one_slot": AG(pingpong=True, chain_tiles=True,
                                epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                max_concurrent_steps=5),
-    "ag_pingpong_192_cluster_m": AG(tile_n=192, pingpong=True,
-                                    chain_tiles=True, cluster_dimension="m"),
     "ag_pingpong_192": AG(tile_n=192, pingpong=True, chain_tiles=True),
     "rs_pingpong_one_slot": RS(pingpong=True, chain_tiles=True,
                                epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                max_concurrent_steps=5),
 }
-# (m, k, n): k steps at and off the depths; m and n off the cluster tile
-# (padded); a grid with fewer cluster tiles than clusters (blocks with no
-# tile drain their barriers too).
+# (m, k, n): k steps at and off the depths; m and n off the CTA tile
+# (padded); a grid with fewer tiles than blocks.
 SHAPES = [(2048, 4096, 1024), (1000, 1600, 768), (256, 1024, 256),
           (1536, 2048, 2560)]
 

@@ -52,8 +52,6 @@ CONFIGS = {
     "ag_pingpong_one_slot": AG(tile_k=128, pingpong=True, chain_tiles=True,
                                epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                max_concurrent_steps=5),
-    "ag_pingpong_192_cluster_m": AG(tile_k=128, tile_n=192, pingpong=True,
-                                    chain_tiles=True, cluster_dimension="m"),
     "ag_pingpong_192": AG(tile_k=128, tile_n=192, pingpong=True,
                           chain_tiles=True),
     "rs_pingpong_one_slot": RS(tile_k=128, pingpong=True, chain_tiles=True,

@@ -53,10 +53,9 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
 
 
 # Announce inside the k loop (k = 3200: 2 steps before its end) or after it
-# (k = 1536, and the unpaced and late variants); a one-step k loop (k = 64).
+# (k = 1536, and the unpaced variant); a one-step k loop (k = 64).
 @pytest.mark.parametrize("config,k", [
     (None, 3200), (None, 1536), (None, 64),
-    (kernels.ReduceScatterConfig(early_announce=False), 1024),
     (kernels.ReduceScatterConfig(spread_sends=False, send_gap=2), 1024),
     (kernels.ReduceScatterConfig(epi_tile_n=128, max_concurrent_steps=3,
                                  send_pieces=4, send_gap=3), 1024),
@@ -72,7 +71,7 @@ def test_reduce_scatter_kernel_matches_reference_and_nccl(d, m, k, n, dtype):
     # freed slot).
     (kernels.ReduceScatterConfig(tile_m=64, tile_n=256, wg_dimension="m"),
      1024)],
-    ids=["early", "late", "one_k_step", "late_flag", "unpaced", "pieces",
+    ids=["early", "late", "one_k_step", "unpaced", "pieces",
          "chained", "chained_small_tiles", "chained_3_stages",
          "chained_3_stages_one_k_step", "wide_warpgroup_tiles"])
 def test_reduce_scatter_schedules_are_exact_and_repeatable(config, k):

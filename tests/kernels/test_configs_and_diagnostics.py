@@ -124,37 +124,6 @@ def test_kernels_trace_their_ring_in_loopback_only_when_wrapped(
   assert seen == [True, False]
 
 
-def test_cluster_dimension_pads_to_the_cluster_tile():
-  """A 2-block cluster's tile is two CTA tiles along its dimension; the
-  operands are padded to it. No cluster: the CTA tile, as before."""
-  from collective_matmul.kernels import schedule  # pylint: disable=g-import-not-at-top
-  plain = kernels.AllGatherConfig()
-  assert (plain.cluster_size, plain.cluster_tile_m, plain.cluster_tile_n) == (
-      1, plain.cta_tile_m, plain.cta_tile_n)
-  along_m = kernels.AllGatherConfig(cluster_dimension="m")
-  assert (along_m.cluster_size, along_m.cluster_tile_m,
-          along_m.cluster_tile_n) == (2, 256, 256)
-  along_n = kernels.ReduceScatterConfig(cluster_dimension="n")
-  assert (along_n.cluster_tile_m, along_n.cluster_tile_n) == (128, 512)
-  assert schedule.padding(along_m, 384, 1024, 512) == schedule.Padding(
-      m=128, k=0, n=0)
-  assert schedule.padding(plain, 384, 1024, 512) == schedule.Padding(
-      m=0, k=0, n=0)
-  assert not schedule.supports_rows_per_batch(along_m, 512, 128)
-  assert schedule.supports_rows_per_batch(plain, 512, 128)
-  # Same shared memory: each block still holds whole slots.
-  assert along_m.smem_bytes(2, 2) == plain.smem_bytes(2, 2)
-
-
-@pytest.mark.parametrize("fields,match", [
-    (dict(cluster_dimension="k"), "cluster_dimension"),
-    (dict(cluster_dimension="m", sender_sms=4), "sender_sms=0"),
-])
-def test_cluster_dimension_is_validated(fields, match):
-  with pytest.raises(ValueError, match=match):
-    kernels.AllGatherConfig(**fields)
-
-
 def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
   """`epi_slots=1`: the whole warpgroup tile in one slot per warpgroup (a
   128 x 128 tile's epilogue in 64 KB, beside 3 pipeline stages); the
@@ -174,9 +143,8 @@ def test_one_epilogue_slot_takes_one_slot_of_shared_memory():
 
 def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
   """`pingpong`: each warpgroup takes whole CTA tiles (the CTA tile is the
-  warpgroup tile, whatever `wg_dimension`), in one ring of slots, alone or
-  in 2-block clusters; refused without chained tiles and on a ring
-  (D > 1)."""
+  warpgroup tile, whatever `wg_dimension`), in one ring of slots; refused
+  without chained tiles and on a ring (D > 1)."""
   split = kernels.AllGatherConfig(chain_tiles=True)
   pingpong = kernels.AllGatherConfig(chain_tiles=True, pingpong=True)
   assert (split.cta_tile_m, split.cta_tile_n) == (128, 256)
@@ -201,9 +169,6 @@ def test_pingpong_tiles_are_one_warpgroup_tile_on_one_device_only():
   assert configs.axis_reason(split, 2) is None
   with pytest.raises(ValueError, match="chain_tiles=True"):
     kernels.AllGatherConfig(pingpong=True)
-  clustered = kernels.ReduceScatterConfig(chain_tiles=True, pingpong=True,
-                                          cluster_dimension="m")
-  assert (clustered.cluster_tile_m, clustered.cluster_tile_n) == (256, 128)
   # Stored configs from before the field read back unchanged.
   assert "pingpong" not in split.to_json()
   assert pingpong.to_json()["pingpong"] is True

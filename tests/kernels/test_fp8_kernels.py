@@ -300,19 +300,16 @@ PINGPONG = dict(tile_k=128, pingpong=True, chain_tiles=True)
     ("all_gather", AG(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                       max_concurrent_steps=5, **PINGPONG), 640),
     ("all_gather", AG(tile_n=192, **PINGPONG), 576),
-    ("all_gather", AG(tile_n=192, cluster_dimension="m", **PINGPONG), 576),
     ("reduce_scatter", RS(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                           max_concurrent_steps=5, **PINGPONG), 640),
-], ids=["all_gather_one_slot", "all_gather_192", "all_gather_192_cluster_m",
-        "reduce_scatter_one_slot"])
+], ids=["all_gather_one_slot", "all_gather_192", "reduce_scatter_one_slot"])
 def test_fp8_pingpong_warpgroups_alternate_tiles(collective, config, n, keys,
                                                  monkeypatch):
   """Ping-pong warpgroups (`TileConfig.pingpong`) on fp8 operands, the
   weight K-major: 2 blocks of 15 or 9 whole 128 x n tiles, so each
   warpgroup runs several, one block one tile more (an odd count: the
   warpgroups' turns continue across the block's tiles), the one ring of
-  5 or 4 slots reused off its depth (3 k steps); or one 2-block cluster
-  sharing B by multicast, 6 tiles each (m padded to the cluster tile)."""
+  5 or 4 slots reused off its depth (3 k steps)."""
   from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(configs, "sm_count", lambda device=None: 2)
   _check_interpreted(collective, config, 384, 384, n, keys)

@@ -150,7 +150,7 @@ def test_chained_tiles_run_several_tiles_per_block(pattern, name, keys,
   next one's first k blocks loaded under this one's last steps and
   epilogue, in JAX's pipeline and in `_OffsetChain` (5 k steps)."""
   config = kernel_configs(pattern)[name]
-  blocks = 2 * config.cluster_size + getattr(config, "sender_sms", 0)
+  blocks = 2 + getattr(config, "sender_sms", 0)
   monkeypatch.setattr(configs, "sm_count", lambda device=None: blocks)
   kernel = (kernels.all_gather_lhs_matmul if pattern == "all_gather" else
             kernels.matmul_reduce_scatter)

@@ -66,10 +66,10 @@ def _lower_reduce_scatter(d, config, m=512, k=1024, n=512):
                 P("x", None))
 
 
-def _lowers_or_refuses_a_cluster_in_a_ring(lower, d, config):
-  """One kernel call; a config the ring cannot run (a 2-block cluster;
-  ping-pong in the all-gather's ring with tiles that free their slots a
-  step late) is refused instead (`configs.axis_reason`)."""
+def _lowers_or_refuses_in_a_ring(lower, d, config):
+  """One kernel call; a config the ring cannot run (ping-pong in the
+  all-gather's ring with tiles that free their slots a step late) is
+  refused instead (`configs.axis_reason`)."""
   from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
   reason = configs.axis_reason(config, d)
   if reason:
@@ -82,15 +82,15 @@ def _lowers_or_refuses_a_cluster_in_a_ring(lower, d, config):
 @pytest.mark.parametrize("d", [1, 2])
 @pytest.mark.parametrize("name", sorted(ALL_GATHER))
 def test_all_gather_kernel_lowers_for_cuda(name, d):
-  _lowers_or_refuses_a_cluster_in_a_ring(_lower_all_gather, d,
-                                         ALL_GATHER[name])
+  _lowers_or_refuses_in_a_ring(_lower_all_gather, d,
+                               ALL_GATHER[name])
 
 
 @pytest.mark.parametrize("d", [1, 2])
 @pytest.mark.parametrize("name", sorted(REDUCE_SCATTER))
 def test_reduce_scatter_kernel_lowers_for_cuda(name, d):
-  _lowers_or_refuses_a_cluster_in_a_ring(_lower_reduce_scatter, d,
-                                         REDUCE_SCATTER[name])
+  _lowers_or_refuses_in_a_ring(_lower_reduce_scatter, d,
+                               REDUCE_SCATTER[name])
 
 
 @pytest.mark.parametrize("n", [264, 320, 1000, 1088])

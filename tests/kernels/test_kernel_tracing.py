@@ -42,7 +42,7 @@ def _spec(mesh, shape, spec, dtype=jnp.bfloat16):
 
 CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(wg_dimension="m", send_gap=4),
-           kernels.AllGatherConfig(tile_m=64, grid_minor_dim="n"),
+           kernels.AllGatherConfig(tile_m=64),
            kernels.AllGatherConfig(sender_sms=4),
            kernels.AllGatherConfig(wg_dimension="m", sender_sms=16),
            kernels.AllGatherConfig(sender_sms=3, k_major_sends=True),
@@ -50,9 +50,6 @@ CONFIGS = [None, kernels.AllGatherConfig(spread_sends=False),
            kernels.AllGatherConfig(eager_release=True, chain_tiles=True),
            kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
                                    chain_tiles=True),
-           kernels.AllGatherConfig(sender_sms=4, k_major_sends=True,
-                                   sender_announce_lag=3),
-           kernels.AllGatherConfig(sender_sms=4, sender_announce_lag=0),
            kernels.AllGatherConfig(tile_n=64, tile_k=128,
                                    max_concurrent_steps=3, sender_sms=4,
                                    k_major_sends=True),
@@ -82,7 +79,7 @@ def test_all_gather_kernel_traces_with_the_shapes_it_promises(d, m, config):
   assert held.shape == (d * d, m, k)
 
 
-RS_CONFIGS = [None, kernels.ReduceScatterConfig(early_announce=False),
+RS_CONFIGS = [None,
               kernels.ReduceScatterConfig(spread_sends=False, send_gap=2),
               kernels.ReduceScatterConfig(epi_tile_n=128, send_pieces=4,
                                           send_gap=3, max_concurrent_steps=3),
@@ -395,59 +392,6 @@ def test_no_slot_is_freed_while_a_wgmma_still_reads_it_in_the_fp8_rings(
   assert depths and set(depths) == {delay}, depths
 
 
-# 2-block clusters sharing B ("m") or A ("n") by TMA multicast, chained at
-# the depth (JAX's pipeline), off it (`_OffsetChain`) and unchained; the
-# reduce-scatter with its whole-tile epilogue and 64 x 256 warpgroup tiles.
-CLUSTER_CONFIGS = [
-    kernels.AllGatherConfig(chain_tiles=True, cluster_dimension="m"),
-    kernels.AllGatherConfig(chain_tiles=True, cluster_dimension="n"),
-    kernels.AllGatherConfig(cluster_dimension="m"),
-    kernels.AllGatherConfig(chain_tiles=True, max_concurrent_steps=3,
-                            cluster_dimension="m"),
-    kernels.ReduceScatterConfig(tile_m=64, tile_n=256, wg_dimension="m",
-                                epi_tile_n=128, max_concurrent_steps=3,
-                                send_pieces=2, chain_tiles=True,
-                                cluster_dimension="m"),
-]
-
-
-@pytest.mark.parametrize("m,k,n", [(512, 1024, 512), (300, 1600, 700)])
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=str)
-def test_cluster_configs_trace_on_one_device_padded_to_the_cluster_tile(
-    config, m, k, n):
-  mesh = _mesh(1)
-  kernel = (kernels.all_gather_lhs_matmul
-            if isinstance(config, kernels.AllGatherConfig)
-            else kernels.matmul_reduce_scatter)
-  with jax.set_mesh(mesh):
-    out = jax.eval_shape(jax.jit(jax.shard_map(
-        functools.partial(kernel, axis_name="x", config=config),
-        in_specs=(P(), P()), out_specs=P(), check_vma=False)),
-                         _spec(mesh, (m, k), P()), _spec(mesh, (k, n), P()))
-  assert out.shape == (m, n)
-
-
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS[:1] + CLUSTER_CONFIGS[-1:],
-                         ids=str)
-def test_rings_refuse_cluster_configs(config):
-  """The ring schedules do not pair blocks into clusters (yet): D = 2 is
-  refused, naming the field."""
-  mesh = _mesh(2)
-  if isinstance(config, kernels.AllGatherConfig):
-    kernel, specs = kernels.all_gather_lhs_matmul, (P("x", None),
-                                                    P(None, "x"))
-  else:
-    kernel, specs = kernels.matmul_reduce_scatter, (P(None, "x"),
-                                                    P("x", None))
-  with jax.set_mesh(mesh):
-    f = jax.jit(jax.shard_map(
-        functools.partial(kernel, axis_name="x", config=config),
-        in_specs=specs, out_specs=P("x", None), check_vma=False))
-    with pytest.raises(ValueError, match="cluster_dimension"):
-      jax.eval_shape(f, _spec(mesh, (1024, 1024), specs[0]),
-                     _spec(mesh, (1024, 1024), specs[1]))
-
-
 def _core_wait_depths(config):
   """The wgmma waits (`_wgmma_wait_depths`) of the kernel that takes
   `config`, traced on a one-device mesh at 1024 x 1600 x 512."""
@@ -463,7 +407,7 @@ def _core_wait_depths(config):
         _spec(mesh, (1024, 1600), P()), _spec(mesh, (1600, 512), P())).jaxpr)
 
 
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS + [
+@pytest.mark.parametrize("config", [
     kernels.AllGatherConfig(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                             max_concurrent_steps=3, chain_tiles=True),
     kernels.ReduceScatterConfig(tile_m=64, tile_n=256, wg_dimension="m",
@@ -472,9 +416,7 @@ def _core_wait_depths(config):
                                 chain_tiles=True)], ids=str)
 def test_no_slot_is_freed_while_a_wgmma_still_reads_it_in_the_core(config):
   """The same check on a one-device mesh (no ring, so slots are freed at
-  once) for the core variants: the multicast pipelines (JAX's with
-  `collective_axes`, `_OffsetChain` with cluster barriers) and one-slot
-  epilogues."""
+  once) for the core variants: one-slot epilogues."""
   depths = _core_wait_depths(config)
   assert depths and set(depths) == {0}, depths
 
@@ -514,8 +456,6 @@ def test_one_slot_epilogues_trace_in_the_core_and_the_ring(config, d):
 
 @pytest.mark.parametrize("config", [
     kernels.AllGatherConfig(pingpong=True, chain_tiles=True),
-    kernels.AllGatherConfig(pingpong=True, chain_tiles=True,
-                            cluster_dimension="m"),
     kernels.ReduceScatterConfig(pingpong=True, chain_tiles=True,
                                 epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                                 max_concurrent_steps=5)], ids=str)

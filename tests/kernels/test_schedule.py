@@ -247,11 +247,9 @@ def test_k_major_groups_are_the_pipelines_k_order():
 @pytest.mark.parametrize("k_major,expected", [(True, 0), (False, 16)])
 def test_sender_announce_lag(k_major, expected):
   """K-major units are announced as soon as their stores landed; by rows
-  twice the stores in flight late (so announcing drains none); a config's
-  lag overrides both."""
+  twice the stores in flight late (so announcing drains none)."""
   plan = schedule.SenderPlan(64, 8, 4, k_major)
-  assert plan.announce_lag(8, None) == expected
-  assert plan.announce_lag(8, 3) == 3
+  assert plan.announce_lag(8) == expected
 
 
 @pytest.mark.parametrize("slots", [2, 3, 7, 12])
@@ -291,7 +289,7 @@ def test_sender_slots_fit_shared_memory():
     ("tile_m", 96), ("tile_m", 0), ("tile_n", -64), ("epi_tile_m", 32),
     ("epi_tile_n", 100), ("tile_k", 48), ("tile_k", 256),
     ("max_concurrent_steps", 1), ("wg_dimension", "k"),
-    ("grid_minor_dim", "x"), ("send_gap", 0), ("grid_tile_width", 0),
+    ("send_gap", 0), ("grid_tile_width", 0),
     ("sender_sms", -1),
 ])
 def test_kernel_config_validation_names_the_field(field, value):
@@ -305,12 +303,6 @@ def test_k_major_sends_need_sender_blocks():
   assert Config(sender_sms=4, k_major_sends=True).k_major_sends
 
 
-def test_sender_announce_lag_is_a_chunk_count():
-  with pytest.raises(ValueError, match="sender_announce_lag=-1"):
-    Config(sender_sms=4, sender_announce_lag=-1)
-  with pytest.raises(ValueError, match="sender_announce_lag=2 .* sender_sms"):
-    Config(sender_announce_lag=2)  # No senders to pace.
-  assert Config(sender_sms=4, sender_announce_lag=0).sender_announce_lag == 0
 
 
 def test_kernel_config_epilogue_must_divide_tile():

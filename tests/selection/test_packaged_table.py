@@ -136,6 +136,59 @@ def test_a_bad_entry_is_skipped_with_a_warning(warnings):
   assert "repeats" in warnings[4]
 
 
+# A reduce-scatter entry as the table stored it before `grid_minor_dim` and
+# `early_announce` were removed (c986a7c), and an all-gather entry naming
+# the removed `cluster_dimension` and `sender_announce_lag` at the values
+# the kernels now always take.
+_OLD_RS_ENTRY = {
+    "key": "reduce_scatter|NVIDIA H200|bfloat16|D=2|1024x4096x4096",
+    "config": {"tile_m": 128, "tile_n": 128, "tile_k": 64,
+               "max_concurrent_steps": 3, "wg_dimension": "n",
+               "grid_minor_dim": "m", "grid_tile_width": 8,
+               "epi_tile_m": 64, "epi_tile_n": 128, "spread_sends": True,
+               "send_gap": 6, "send_pieces": 4, "early_announce": True}}
+_OLD_AG_ENTRY = {
+    "key": "NVIDIA H200|bfloat16|D=2|8192x4096x5504",
+    "config": {"tile_m": 128, "tile_n": 128, "sender_sms": 4,
+               "chain_tiles": True, "grid_minor_dim": "m",
+               "cluster_dimension": None, "sender_announce_lag": None}}
+
+
+def test_entries_naming_removed_fields_at_their_values_still_load(
+    warnings, monkeypatch):
+  """Tables and caches written before a field was removed read as they
+  ran: the removed fields are dropped (one logged note, no warning)."""
+  notes = []
+  monkeypatch.setattr(tuned_lib, "_logged_notes", set())
+  monkeypatch.setattr(tuned_lib.logging, "info",
+                      lambda msg, *args: notes.append(msg % args))
+  table = selection.parse_tuned_configs(
+      {"entries": [_OLD_RS_ENTRY, _OLD_AG_ENTRY]})
+  assert not warnings
+  removed = set(configs.REMOVED_FIELDS)
+  assert dict(table) == {
+      _OLD_RS_ENTRY["key"]: configs.ReduceScatterConfig(**{
+          k: v for k, v in _OLD_RS_ENTRY["config"].items()
+          if k not in removed}),
+      _OLD_AG_ENTRY["key"]: configs.AllGatherConfig(**{
+          k: v for k, v in _OLD_AG_ENTRY["config"].items()
+          if k not in removed})}
+  assert len(notes) == 2 and all("removed fields" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("field,value", [
+    ("grid_minor_dim", "n"), ("early_announce", False),
+    ("cluster_dimension", "m")])
+def test_an_entry_naming_a_removed_field_at_another_value_is_skipped(
+    warnings, field, value):
+  """The kernels no longer run what it measured: skipped, with a warning
+  naming the field."""
+  entry = dict(_OLD_RS_ENTRY, config={**_OLD_RS_ENTRY["config"],
+                                      field: value})
+  assert not selection.parse_tuned_configs({"entries": [entry]})
+  assert len(warnings) == 1 and f"{field}={value!r}" in warnings[0], warnings
+
+
 def test_an_unreadable_table_is_empty_with_a_warning(warnings):
   assert not selection.parse_tuned_configs({"entries": "not a list"})
   assert not selection.parse_tuned_configs(["not", "an", "object"])

@@ -54,15 +54,18 @@ DAMAGED_ENTRIES = {
     "a list": ([1, 2], "not a JSON object"),
     "a string": ("128x128", "not a JSON object"),
     "reduce-scatter field": (_entry(send_pieces=2), "no field"),
-    "int choice": (_entry(cluster_dimension=3), "must be of type"),
-    "cluster in a ring": (_entry(cluster_dimension="m"), "one-device axis"),
+    "int choice": (_entry(wg_dimension=3), "must be of type"),
+    "pingpong in a ring": (_entry(chain_tiles=True, pingpong=True),
+                           "one-device axis"),
+    "removed field, other value": (_entry(grid_minor_dim="n"),
+                                   "grid_minor_dim='n': the field was "
+                                   "removed"),
+    "removed cluster": (_entry(cluster_dimension="m"), "was removed"),
     "huge send gap": (_entry(send_gap=10**12), "more than"),
     "huge sender count": (_entry(sender_sms=10**6), "more than"),
     "huge tile": (_entry(tile_n=10**9), "more than"),
     "huge epilogue tile": (_entry(epi_tile_n=2**40), "more than"),
     "huge grid width": (_entry(grid_tile_width=10**9), "more than"),
-    "huge announce lag": (_entry(sender_sms=4, sender_announce_lag=10**9),
-                          "more than"),
     "sender count of a GPU": (_entry(sender_sms=132), "more than"),
 }
 
@@ -160,9 +163,22 @@ def test_every_declared_field_type_has_a_reader():
       assert str(field.type) in tuned._FIELD_TYPES, (cls, field)  # pylint: disable=protected-access
 
 
+def test_a_cached_entry_naming_removed_fields_is_read_as_it_ran(
+    cache, warnings):
+  """A cache written before `cluster_dimension`, `grid_minor_dim` and
+  `sender_announce_lag` were removed, at the values the kernels now always
+  take: the entry serves, without them."""
+  entry = _entry(sender_sms=4, k_major_sends=True, cluster_dimension=None,
+                 grid_minor_dim="m", sender_announce_lag=None)
+  cache.write_text(json.dumps({KEY: entry}))
+  assert selection.load_cached_config(
+      PROBLEM, H200.device_kind) == selection.AllGatherConfig(
+          **_entry(sender_sms=4, k_major_sends=True))
+  assert not warnings
+
+
 def test_an_entry_with_the_later_fields_is_read(cache, warnings):
-  entry = _entry(epi_slots=1, epi_tile_m=128, epi_tile_n=128,
-                 cluster_dimension=None)
+  entry = _entry(epi_slots=1, epi_tile_m=128, epi_tile_n=128)
   cache.write_text(json.dumps({KEY: entry}))
   assert selection.load_cached_config(
       PROBLEM, H200.device_kind) == selection.AllGatherConfig(**entry)

@@ -52,9 +52,7 @@ def test_virtual_ranks_refuse_what_cannot_run():
   with pytest.raises(ValueError, match="not among"):
     peers.VirtualRanks(2, (66, 66), drop=frozenset(["no_such_site"]))
   with pytest.raises(ValueError, match="exceed the 132 SMs"):
-    peers.VirtualRanks(2, (100, 100)).launch_blocks(1, 132)
-  with pytest.raises(ValueError, match="no block clusters"):
-    peers.VirtualRanks.even(2, 132).launch_blocks(2, 132)
+    peers.VirtualRanks(2, (100, 100)).launch_blocks(132)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="stacked over 2 ranks"):

@@ -101,16 +101,11 @@ def fp8_reason(lhs_dtype, rhs_dtype, out_dtype, weight_k_major: bool,
 
 def axis_reason(config, axis_size: int) -> str | None:
   """Why `config` cannot run on an axis of `axis_size` devices, or None:
-  2-block clusters (`TileConfig.cluster_dimension`) run on a one-device
-  axis only (the ring schedules do not pair their blocks); ping-pong
-  warpgroups (`TileConfig.pingpong`) in the all-gather's ring need its
-  tiles to free each slot at once where they forward from it
+  ping-pong warpgroups (`TileConfig.pingpong`) in the all-gather's ring
+  need its tiles to free each slot at once where they forward from it
   (`eager_release`), or dedicated senders."""
   if axis_size == 1:
     return None
-  if config.cluster_dimension is not None:
-    return (f"cluster_dimension={config.cluster_dimension!r} runs on a "
-            f"one-device axis only, not on {axis_size} devices")
   if (config.pingpong and getattr(config, "sender_sms", None) == 0
       and not config.eager_release):
     return (f"pingpong=True in the all-gather's ring ({axis_size} devices) "
@@ -122,8 +117,18 @@ def axis_reason(config, axis_size: int) -> str | None:
 # `TileConfig` fields added after configs were first stored (tuned tables,
 # autotune caches, the selection tests' decision grid), with their defaults:
 # `to_json` leaves them out at those defaults.
-LATER_FIELDS = {"epi_slots": 2, "cluster_dimension": None,
-                "pingpong": False}
+LATER_FIELDS = {"epi_slots": 2, "pingpong": False}
+# Fields removed since configs were first stored, each with the one value
+# the kernels now always take (`REMOVED_FIELDS`): a stored entry that names
+# one at that value reads as before, without it (`selection.tuned`).
+# `cluster_dimension`: 2-block clusters sharing an operand by TMA multicast
+# (lost in every measurement, docs/TUNING.md); `grid_minor_dim`: the tile
+# order's minor dimension, always m; `sender_announce_lag`: the senders'
+# announcement lag, always the schedule's (`SenderPlan.announce_lag`);
+# `early_announce`: the reduce-scatter announces a partial sum inside the
+# next tile's k loop, always.
+REMOVED_FIELDS = {"cluster_dimension": None, "grid_minor_dim": "m",
+                  "sender_announce_lag": None, "early_announce": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +142,9 @@ class TileConfig:
     wg_dimension: `MatmulDimension` N or M ("n" or "m"): the two compute
       warpgroups split the CTA tile along this dimension (so the CTA tile
       is 2x tile along it).
-    grid_minor_dim, grid_tile_width: order of output tiles within one ring
-      step (planar snake, for L2 reuse).
+    grid_tile_width: order of output tiles within one ring step (a planar
+      snake, m its minor dimension, in bands this many tiles wide, for L2
+      reuse).
     epi_tile_m, epi_tile_n: epilogue store granularity.
     epi_slots: shared-memory epilogue slots per warpgroup: 2 (default),
       epilogue tile i goes through slot i % 2; or 1, where the epilogue
@@ -149,25 +155,16 @@ class TileConfig:
       (where the pipeline releases slots at once and k_iters is a multiple
       of `max_concurrent_steps`); False: each tile's pipeline starts with
       a prologue once the previous one's slots are all consumed.
-    cluster_dimension: None (default: blocks of one, each loading its own
-      operands), or a `MatmulDimension` ("m" / "n"): blocks run in 2-block
-      clusters whose two CTA tiles are neighbours along this dimension and
-      share the other operand's k blocks through TMA multicast ("m": both need
-      the same B block, each block loads half of it for both; "n": the same A
-      block). The kernels take it on a one-device axis only for now (the ring
-      schedules do not pair their blocks); the operands are padded to the
-      cluster's tile (`cluster_tile_m`, `cluster_tile_n`).
     pingpong: the two compute warpgroups take turns on whole CTA tiles
       instead of splitting each (a block's tiles alternate between them,
       `wg_dimension` does not apply: the CTA tile is `tile_m` x `tile_n`),
       so one warpgroup's epilogue runs while the other's k loop keeps the
       tensor cores busy. Both read one ring of `max_concurrent_steps`
       slots, loaded in tile order (needs `chain_tiles`); the tile's owner
-      frees each slot a step late (one stage less prefetch). With
-      `cluster_dimension` the two blocks of a cluster run their paired
-      tiles on the same warpgroup. In the rings the tile's owner sends and
-      announces what the tile forwards (`axis_reason`: the all-gather's
-      tiles then need `eager_release`, or dedicated senders).
+      frees each slot a step late (one stage less prefetch). In the rings
+      the tile's owner sends and announces what the tile forwards
+      (`axis_reason`: the all-gather's tiles then need `eager_release`, or
+      dedicated senders).
   """
 
   tile_m: int = 128
@@ -175,21 +172,18 @@ class TileConfig:
   tile_k: int = 64
   max_concurrent_steps: int = 4
   wg_dimension: MatmulDimension = MatmulDimension.N
-  grid_minor_dim: MatmulDimension = MatmulDimension.M
   grid_tile_width: int = 8
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   chain_tiles: bool = False
   epi_slots: int = 2
-  cluster_dimension: MatmulDimension | None = None
   pingpong: bool = False
 
   def __post_init__(self):
     # "m" / "n" (as tuned tables and caches store them) become members.
-    for name in ("wg_dimension", "grid_minor_dim", "cluster_dimension"):
-      if getattr(self, name) is not None or name != "cluster_dimension":
-        object.__setattr__(self, name,
-                           MatmulDimension.parse(getattr(self, name), name))
+    object.__setattr__(self, "wg_dimension",
+                       MatmulDimension.parse(self.wg_dimension,
+                                             "wg_dimension"))
     for value, name in ((self.tile_m, "tile_m"), (self.tile_n, "tile_n"),
                         (self.epi_tile_m, "epi_tile_m"),
                         (self.epi_tile_n, "epi_tile_n")):
@@ -228,21 +222,6 @@ class TileConfig:
     """Whether the two compute warpgroups split the CTA tile along
     `dimension` ("m" / "n"): `wg_dimension`, unless `pingpong`."""
     return not self.pingpong and self.wg_dimension == dimension
-
-  @property
-  def cluster_size(self) -> int:
-    """Blocks per cluster (`cluster_dimension`)."""
-    return 1 if self.cluster_dimension is None else 2
-
-  @property
-  def cluster_tile_m(self) -> int:
-    """Rows of a cluster's output tile: the unit m is padded to."""
-    return self.cta_tile_m * (2 if self.cluster_dimension == "m" else 1)
-
-  @property
-  def cluster_tile_n(self) -> int:
-    """Columns of a cluster's output tile: the unit n is padded to."""
-    return self.cta_tile_n * (2 if self.cluster_dimension == "n" else 1)
 
   def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates per block."""
@@ -318,11 +297,6 @@ class AllGatherConfig(TileConfig):
       `max_concurrent_steps` deep, and the tiles' pipelines can be chained
       (`chain_tiles`); False: the slot is released one step late (one
       stage less prefetch).
-    sender_announce_lag: with `sender_sms`, a sender announces an arrival
-      unit this many chunks after its last store of it was issued, once
-      that store has landed (0: at once, draining every store in flight);
-      None: the schedule's (`SenderPlan.announce_lag`: at once k-major,
-      else twice the stores in flight).
   """
 
   spread_sends: bool = True
@@ -330,25 +304,15 @@ class AllGatherConfig(TileConfig):
   sender_sms: int = 0
   k_major_sends: bool = False
   eager_release: bool = False
-  sender_announce_lag: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_send_gap(self.send_gap)
     if self.sender_sms < 0:
       raise ValueError(f"sender_sms={self.sender_sms} must be >= 0")
-    if self.sender_sms and self.cluster_dimension is not None:
-      raise ValueError(
-          f"cluster_dimension={self.cluster_dimension!r} needs sender_sms=0 "
-          "(sender blocks are not paired into clusters)")
     if self.k_major_sends and not self.sender_sms:
       raise ValueError("k_major_sends=True needs sender_sms > 0 (it orders "
                        "the dedicated senders' copies)")
-    if self.sender_announce_lag is not None and (
-        self.sender_announce_lag < 0 or not self.sender_sms):
-      raise ValueError(
-          f"sender_announce_lag={self.sender_announce_lag} must be >= 0, "
-          "with sender_sms > 0 (it paces the dedicated senders)")
 
   @property
   def sender_chunk_elems(self) -> int:
@@ -374,21 +338,18 @@ class ReduceScatterConfig(TileConfig):
       slots, see `selection.select_reduce_scatter_config`).
     send_gap: pipeline steps between two stores of the previous tile's
       partial sum (epilogue slots x `send_pieces`) sent from the next
-      tile's k loop, and between the last of them and the announcement
-      (`early_announce`).
+      tile's k loop, and between the last of them and its announcement
+      (`schedule.partial_announce_step`: inside that k loop, so the peer's
+      epilogue finds it landed rather than waiting for a loop that ends at
+      the same moment as its own).
     send_pieces: each epilogue slot of a partial sum leaves in this many row
       pieces, `send_gap` steps apart, so that no store holds the SM's TMA
       unit long (a multiple-of-8-row split of `epi_tile_m`).
-    early_announce: signal a partial sum's arrival `send_gap` steps after
-      its last send, inside the next tile's k loop (`partial_announce_step`),
-      instead of after that loop, so the peer's epilogue finds it landed
-      rather than waiting for a loop that ends at the same moment as its own.
   """
 
   spread_sends: bool = True
   send_gap: int = 12
   send_pieces: int = 1
-  early_announce: bool = True
 
   def __post_init__(self):
     super().__post_init__()

@@ -29,6 +29,7 @@ from collective_matmul.enums import Collective
 from collective_matmul.kernels.configs import AllGatherConfig
 from collective_matmul.kernels.configs import DEFAULT_SM_COUNT
 from collective_matmul.kernels.configs import FP8_TILE_K
+from collective_matmul.kernels.configs import REMOVED_FIELDS
 from collective_matmul.kernels.configs import ReduceScatterConfig
 from collective_matmul.kernels.configs import SMEM_BYTES
 from collective_matmul.kernels.configs import TileConfig
@@ -56,7 +57,7 @@ FIELD_LIMITS = {
     "tile_k": 128, "max_concurrent_steps": 64,
     "epi_slots": 2,
     "grid_tile_width": _MAX_STEPS, "send_gap": _MAX_STEPS,
-    "sender_sms": DEFAULT_SM_COUNT - 1, "sender_announce_lag": _MAX_STEPS,
+    "sender_sms": DEFAULT_SM_COUNT - 1,
     "send_pieces": _MAX_TILE_SIDE // 8,
 }
 
@@ -91,24 +92,27 @@ def key_collective(key: str) -> Collective:
 
 
 _FIELD_TYPES = {"int": (int,), "bool": (bool,), "str": (str,),
-                "int | None": (int, type(None)),
                 "str | None": (str, type(None)),
-                "MatmulDimension": (str,),
-                "MatmulDimension | None": (str, type(None))}
+                "MatmulDimension": (str,)}
 
 
 def config_from_fields(collective: Collective, fields) -> TileConfig:
   """`collective`'s config class built from an entry's fields (a JSON object),
   each of its declared type (a bool is no int, 128.0 no int, "no" no bool)
-  and, if an integer, at most its `FIELD_LIMITS`.
+  and, if an integer, at most its `FIELD_LIMITS`. A field removed since
+  (`configs.REMOVED_FIELDS`) is dropped where it holds the value the
+  kernels now always take (an entry stored before reads as it ran), with a
+  logged note.
 
   Raises:
-    TypeError, ValueError: naming the field, when they do not build one.
+    TypeError, ValueError: naming the field, when they do not build one
+      (a removed field at another value: the kernels no longer run that).
   """
   if not isinstance(fields, dict):
     raise TypeError(f"config {fields!r} is not a JSON object")
   cls = CONFIG_CLASSES[collective]
   declared = {f.name: f.type for f in dataclasses.fields(cls)}
+  fields = _without_removed_fields(fields, declared)
   for name, value in fields.items():
     if name not in declared:
       raise TypeError(f"{cls.__name__} has no field {name!r}")
@@ -122,7 +126,34 @@ def config_from_fields(collective: Collective, fields) -> TileConfig:
   return cls(**fields)
 
 
+def _without_removed_fields(fields: dict, declared) -> dict:
+  """`fields` without the removed fields (`configs.REMOVED_FIELDS`) that
+  hold the value the kernels now always take; raises ValueError for one at
+  another value."""
+  removed = {name: value for name, value in fields.items()
+             if name in REMOVED_FIELDS and name not in declared}
+  for name, value in removed.items():
+    if value != REMOVED_FIELDS[name]:
+      raise ValueError(
+          f"{name}={value!r}: the field was removed, and the kernels run "
+          f"only what {name}={REMOVED_FIELDS[name]!r} ran")
+  if removed:
+    _log_note(f"removed fields {sorted(removed)}",
+              "dropped at the values the kernels always take now")
+  return {name: value for name, value in fields.items()
+          if name not in removed}
+
+
 _logged_misses: set[tuple[str, str]] = set()
+_logged_notes: set[str] = set()
+
+
+def _log_note(what: str, note: str) -> None:
+  """One info line per distinct note on entries that are still used."""
+  if what in _logged_notes:
+    return
+  _logged_notes.add(what)
+  logging.info("collective matmul: %s in stored configs: %s", what, note)
 
 
 def _log_miss(origin: str, what: str, reason) -> None:
