@@ -56,7 +56,7 @@ DAMAGED_ENTRIES = {
     "reduce-scatter field": (_entry(send_pieces=2), "no field"),
     "int choice": (_entry(wg_dimension=3), "must be of type"),
     "pingpong in a ring": (_entry(chain_tiles=True, pingpong=True),
-                           "one-device axis"),
+                           "needs eager_release=True"),
     "removed field, other value": (_entry(grid_minor_dim="n"),
                                    "grid_minor_dim='n': the field was "
                                    "removed"),
