@@ -51,7 +51,7 @@ def test_the_portable_impls_take_no_layouts(impl):
 def test_runs_of_rows_the_tiles_fit_are_addressed_as_given(collective):
   plan = _choose(collective, BF16, rows_per_batch=None)
   assert plan.row_layout == plan.backward_row_layout == RowLayout.AS_GIVEN
-  fits = plan.config.cluster_tile_m * 2
+  fits = plan.config.cta_tile_m * 2
   plan = _choose(collective, BF16, rows_per_batch=fits)
   assert plan.row_layout == RowLayout.AS_GIVEN
   # A run of 40 rows fits no tile: the split dimension goes first.
