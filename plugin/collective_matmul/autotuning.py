@@ -100,7 +100,10 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   Reduce-scatter (needs the problem): the chosen config of the problem
   first, then the send pacing around it (row pieces x
   send gap; the pacing that wins depends on how many waves a ring step
-  takes), and the whole-tile configs unpaced. `device`: the
+  takes), and the whole-tile configs unpaced. Both: ping-pong warpgroups
+  on 128 x 128 and 128 x 192 tiles and with a one-slot epilogue
+  (`_pingpong_candidates`), which no rule picks (they are timed at D = 1
+  only), so autotuning takes them where they win. `device`: the
   `selection.DeviceFacts` the choices read (None: this machine's; a plan
   on CPU passes those of the GPU it stands for).
   """
@@ -133,6 +136,9 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
       if config != base:
         yield config
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
+  for config in _pingpong_candidates(base):
+    if selection.config_reason(config, problem) is None:
+      yield config
 
 
 def _all_gather_candidates(problem, device):
@@ -161,6 +167,27 @@ def _all_gather_candidates(problem, device):
           grid_tile_width=width), *itemsizes)
       if wide is not None:
         yield wide
+    # The whole block forwarded by n-tile 0 (no spread sends).
+    yield dataclasses.replace(base, spread_sends=False)
+  yield from _pingpong_candidates(next(iter(selection.tile_candidates(
+      problem))), eager_release=True)
+
+
+def _pingpong_candidates(base, **fields):
+  """Ping-pong warpgroups (`TileConfig.pingpong`) from `base`: 128 x 128 and
+  128 x 192 tiles, and a one-slot epilogue of the whole 128 x 128 tile,
+  chained as ping-pong needs; `fields` as the kernel's ring needs them (the
+  all-gather's tiles free their slots at once)."""
+  common = dict(tile_m=128, wg_dimension="n", chain_tiles=True,
+                pingpong=True, **fields)
+  for shape in (dict(tile_n=128, epi_tile_m=64, epi_tile_n=64, epi_slots=2),
+                dict(tile_n=192, epi_tile_m=64, epi_tile_n=64, epi_slots=2),
+                dict(tile_n=128, epi_tile_m=128, epi_tile_n=128, epi_slots=1,
+                     max_concurrent_steps=5)):
+    try:
+      yield dataclasses.replace(base, **shape, **common)
+    except ValueError:  # Send pieces that do not split this epilogue.
+      continue
 
 
 def kernel_time_us(f, *args, iterations: int = 10):

@@ -22,20 +22,11 @@ from collective_matmul import selection
 from collective_matmul.enums import Collective
 from collective_matmul.kernels import configs
 
-# Fields that stay although nothing picks them, each with why.
-NOT_PICKED = {
-    # Ping-pong warpgroups run on a one-device axis only: no rule can pick
-    # them until the rings run ping-pong (issue 47).
-    "pingpong": "pending the rings running ping-pong (issue 47)",
-    # 64 in every pick; 128 only in opt-in one-slot epilogues of 128-row
-    # warpgroup tiles (docs/TUNING.md, "Core variants the rules leave
-    # out"), which nothing picks yet. Reported with issue 49 item 2.
-    "epi_tile_m": "opt-in one-slot epilogues of 128-row tiles",
-    # The all-gather's `spread_sends=False` (n-tile 0 forwards the whole
-    # block) is in no rule, candidate or table entry; the reduce-scatter's
-    # is a candidate. Reported with issue 49 item 2.
-    "AllGatherConfig.spread_sends": "the all-gather's unspread sends",
-}
+# Fields that stay although nothing picks them, each with why: none.
+# (Ping-pong warpgroups, the whole-tile one-slot epilogue's 128-row
+# `epi_tile_m` and the all-gather's unspread sends are autotuning
+# candidates, `autotuning._pingpong_candidates`.)
+NOT_PICKED: dict[str, str] = {}
 
 H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
 H100_PCIE = selection.DeviceFacts("gpu", "NVIDIA H100 PCIe", 114)

@@ -242,11 +242,17 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
   assert chosen in candidates
   assert len(set(candidates)) == len(candidates)
   assert {c.send_pieces for c in candidates} == {1, 2, 4}
-  # Only the pacing varies: the tiles are the chosen ones.
+  # Only the pacing varies, besides the ping-pong candidates: the tiles
+  # are the chosen ones.
+  split = [c for c in candidates if not c.pingpong]
   assert {(c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
-           c.max_concurrent_steps) for c in candidates} == {
+           c.max_concurrent_steps) for c in split} == {
                (chosen.tile_m, chosen.tile_n, chosen.epi_tile_m,
                 chosen.epi_tile_n, chosen.max_concurrent_steps)}
+  pingpong = [c for c in candidates if c.pingpong]
+  assert {(c.tile_m, c.tile_n, c.epi_slots) for c in pingpong} <= {
+      (128, 128, 2), (128, 192, 2), (128, 128, 1)}
+  assert all(c.chain_tiles for c in pingpong)
 
 
 @pytest.mark.parametrize("shape", [(512, 4096, 4096), (1024, 4096, 4096),
@@ -320,13 +326,14 @@ def test_fp8_reduce_scatter_candidates_pace_its_one_slot_as_two():
   candidates = list(autotuning.candidate_configs("reduce_scatter", problem))
   assert chosen.epi_slots == 1 and candidates[0] == chosen
   assert len(set(candidates)) == len(candidates)
-  paced = [c for c in candidates if c.spread_sends]
+  # (The ping-pong candidates keep the pick's pacing.)
+  paced = [c for c in candidates if c.spread_sends and not c.pingpong]
   assert {c.send_pieces for c in paced} == {2, 4, 8}
   rows = {c.epi_tile_m // c.send_pieces * c.epi_tile_n for c in paced}
   bf16 = selection.Problem(8192, 4096, 2048, np.dtype(jnp.bfloat16), 2)
   assert rows == {c.epi_tile_m // c.send_pieces * c.epi_tile_n
                   for c in autotuning.candidate_configs("reduce_scatter", bf16)
-                  if c.spread_sends}
+                  if c.spread_sends and not c.pingpong}
 
 
 def test_autotune_candidates_reject_an_unknown_collective():
