@@ -34,12 +34,15 @@ import re
 import statistics
 import subprocess
 import sys
+import typing
 import textwrap
 import time
 
-@dataclasses.dataclass(frozen=True)
-class NamedArm:
-  """An arm --arms can name: what it is, and what it adds to the launch."""
+class NamedArm(typing.NamedTuple):
+  """An arm --arms can name: what it is, and what it adds to the launch.
+  (A NamedTuple, not a dataclass: the tests load this script by path
+  without registering it in sys.modules, where a dataclass with string
+  annotations fails.)"""
   description: str
   plugin_flags: tuple[str, ...] = ()
   xla_flags: str = ""

@@ -23,8 +23,6 @@ def _maxtext_ab_parser():
   spec = importlib.util.spec_from_file_location(
       "maxtext_ab", os.path.join(rc.REPO_ROOT, "scripts", "maxtext_ab.py"))
   module = importlib.util.module_from_spec(spec)
-  # Registered first: its dataclasses look their module up by name.
-  sys.modules["maxtext_ab"] = module
   spec.loader.exec_module(module)
   return module.build_parser()
 
