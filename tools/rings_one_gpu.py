@@ -40,10 +40,13 @@ import time
 
 import tool_setup
 
-# bench_gemm_core's whole GEMMs (rows x k x n), kept here so that this
+# The whole GEMMs (rows x k x n) of bench_gemm_core's ten-shape core
+# timings (its default six, then llama3-8b's), kept here so that this
 # tool's worker does not import the benchmark.
 GEMM_SHAPES = ["16384/4096/2048", "16384/4096/6144", "16384/4096/5504",
-               "16384/2048/4096", "16384/5504/4096", "2048/4096/4096"]
+               "16384/2048/4096", "16384/5504/4096", "2048/4096/4096",
+               "16384/4096/7168", "16384/7168/4096", "16384/4096/3072",
+               "16384/4096/14336"]
 RANKS = (2, 4, 8)
 SCALE = 0.75 * 1.25  # bench_gemm_core's fp8 scales' product.
 # Rel. error bound per result: bf16 output roundings (and, for the
@@ -208,8 +211,15 @@ def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
        ag_pp(tile_k=128, chain_tiles=True, pingpong=True, eager_release=True,
              epi_tile_m=128, epi_tile_n=128, epi_slots=1,
              max_concurrent_steps=5)),
+      ("all_gather", "192_eager", "bf16",
+       ag_pp(tile_n=192, chain_tiles=True, pingpong=True,
+             eager_release=True)),
+      ("all_gather", "192_senders", "bf16",
+       ag_pp(tile_n=192, chain_tiles=True, pingpong=True, sender_sms=4)),
       ("reduce_scatter", "default", "bf16",
        rs_pp(chain_tiles=True, pingpong=True)),
+      ("reduce_scatter", "192", "bf16",
+       rs_pp(tile_n=192, chain_tiles=True, pingpong=True, send_pieces=1)),
       ("reduce_scatter", "192", "fp8",
        rs_pp(tile_k=128, tile_n=192, chain_tiles=True, pingpong=True)),
       ("reduce_scatter", "one_slot", "fp8",
@@ -221,14 +231,19 @@ def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
     for d in RANKS:
       add(Case(f"{kind}/pingpong/{label}/d{d}/{dtypes}", kind, d, 2048, 1024,
                n, dtypes, config, origin="ping-pong"))
+    if config.tile_n == 192:
+      # The last column tile partly past n (2176 = 11.3 tiles), as the
+      # picks at n = 5504, 7168 and 14336 run it.
+      add(Case(f"{kind}/pingpong/{label}/d2/{dtypes}/n2176", kind, 2, 2048,
+               1024, 2176, dtypes, config, origin="ping-pong"))
   add(Case("all_gather/pingpong/skew/d2/bf16", "all_gather", 2, 2048, 1024,
            2048, "bf16", pingpong[0][3], shares=(50, 82),
            delay_ns=(1_000_000, 0), origin="ping-pong"))
   add(Case("reduce_scatter/pingpong/skew/d2/bf16", "reduce_scatter", 2, 2048,
-           1024, 2048, "bf16", pingpong[4][3], shares=(50, 82),
+           1024, 2048, "bf16", pingpong[6][3], shares=(50, 82),
            delay_ns=(0, 1_000_000), origin="ping-pong"))
   for kind, config, site in (("all_gather", pingpong[0][3], "ag_tile_wait"),
-                             ("reduce_scatter", pingpong[4][3],
+                             ("reduce_scatter", pingpong[6][3],
                               "rs_partial_wait")):
     add(Case(f"{kind}/pingpong/mutation/drop_wait", kind, 2, 2048, 1024,
              2048, "bf16", config, drop=frozenset([site]),

@@ -98,12 +98,15 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   chained tiles (`chain_tiles`) with the senders by rows and, released
   eagerly, with each send gap, as `selection` takes them where measured.
   Reduce-scatter (needs the problem): the chosen config of the problem
-  first, then the send pacing around it (row pieces x
-  send gap; the pacing that wins depends on how many waves a ring step
-  takes), and the whole-tile configs unpaced. Both: ping-pong warpgroups
-  on 128 x 128 and 128 x 192 tiles and with a one-slot epilogue
-  (`_pingpong_candidates`), which no rule picks (they are timed at D = 1
-  only), so autotuning takes them where they win. `device`: the
+  first, then the heuristic's split-tile config (before ping-pong) with
+  the send pacing around it (row pieces x send gap; the pacing that wins
+  depends on how many waves a ring step takes), and unpaced. Both:
+  ping-pong warpgroups on 128 x 128 and 128 x 192 tiles and with a
+  one-slot epilogue (`_pingpong_candidates`; the all-gather's released
+  eagerly and with the senders by rows): the heuristic takes the 128 x 192
+  ones only where they won at D = 1, autotuning wherever they win. Every
+  candidate is one the problem can run (`selection.config_reason`),
+  duplicates dropped. `device`: the
   `selection.DeviceFacts` the choices read (None: this machine's; a plan
   on CPU passes those of the GPU it stands for).
   """
@@ -120,25 +123,38 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
     return
   if problem is None:
     raise ValueError("reduce-scatter candidates need the problem")
-  base = selection.config_for(Collective.REDUCE_SCATTER, problem,
-                              device or selection.device_facts())[0]
-  yield base
+  device = device or selection.device_facts()
+  chosen = selection.config_for(Collective.REDUCE_SCATTER, problem,
+                                device)[0]
+  # The split-tile config (the heuristic's before ping-pong): its pacing.
+  base = selection.heuristic_config(Collective.REDUCE_SCATTER, problem,
+                                    device, pingpong=False)
+  seen = set()
+  for config in _reduce_scatter_candidates(chosen, base):
+    if config not in seen and selection.config_reason(config,
+                                                      problem) is None:
+      seen.add(config)
+      yield config
+
+
+def _reduce_scatter_candidates(chosen, base):
+  """`candidate_configs`' reduce-scatter list, in order, duplicates
+  included: `chosen` first, then `base` paced every way, then ping-pong
+  from `base`."""
+  yield chosen
   # Pieces per slot of a two-slot epilogue: a one-slot epilogue holds both
   # slots' rows, so it takes twice the pieces for stores of the same size.
   per_slot = 2 if base.epi_slots == 1 else 1
+  yield base
   for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
     for gap in gaps:
       try:
-        config = dataclasses.replace(base, send_pieces=per_slot * pieces,
-                                     send_gap=gap)
+        yield dataclasses.replace(base, send_pieces=per_slot * pieces,
+                                  send_gap=gap)
       except ValueError:  # Pieces that do not split this epilogue tile.
         continue
-      if config != base:
-        yield config
   yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
-  for config in _pingpong_candidates(base):
-    if selection.config_reason(config, problem) is None:
-      yield config
+  yield from _pingpong_candidates(base)
 
 
 def _all_gather_candidates(problem, device):
@@ -169,8 +185,9 @@ def _all_gather_candidates(problem, device):
         yield wide
     # The whole block forwarded by n-tile 0 (no spread sends).
     yield dataclasses.replace(base, spread_sends=False)
-  yield from _pingpong_candidates(next(iter(selection.tile_candidates(
-      problem))), eager_release=True)
+  first = next(iter(selection.tile_candidates(problem)))
+  yield from _pingpong_candidates(first, eager_release=True)
+  yield from _pingpong_candidates(first, sender_sms=selection.SENDER_SMS)
 
 
 def _pingpong_candidates(base, **fields):

@@ -91,9 +91,47 @@ def new_rows(selected_cases=None):
 def stored_rows():
   """The stored rows, their configs without the fields removed since
   (`configs.REMOVED_FIELDS`) where they hold the value the kernels now
-  always take (one at another value is kept, and differs)."""
+  always take (one at another value is kept, and differs), and with the
+  heuristic rules added since applied (`with_later_rules`)."""
+  cases_by_key = {key(c): c for c in cases()}
   with gzip.open(PATH, "rt") as f:
-    return {k: _without_removed_fields(v) for k, v in json.load(f).items()}
+    return {k: with_later_rules(cases_by_key.get(k), _without_removed_fields(v))
+            for k, v in json.load(f).items()}
+
+
+def with_later_rules(case, row: str) -> str:
+  """`row` with the heuristic rules added after the redesign applied to its
+  heuristic configs, as the heuristics apply them last: ping-pong tiles
+  (`heuristics._pingpong_tiles`) to each kernel's config for its own
+  problem (the backward's: the transposed collective's, on the backward
+  problem). Packaged-table configs are left as they are."""
+  if case is None:
+    return row
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from collective_matmul import selection  # pylint: disable=g-import-not-at-top
+  from collective_matmul.enums import Collective  # pylint: disable=g-import-not-at-top
+  from collective_matmul.selection import heuristics  # pylint: disable=g-import-not-at-top
+  from collective_matmul.selection import tuned  # pylint: disable=g-import-not-at-top
+  parts = row.split("|")
+  dtype = np.dtype(jnp.bfloat16 if case["dtype"] == "bfloat16"
+                   else case["dtype"])
+  out_dtype = None if case["out"] is None else np.dtype(case["out"])
+  forward = selection.Problem(case["rows"], case["k"], case["n"], dtype,
+                              case["axis"], out_dtype)
+  collective = Collective(case["collective"])
+  kernels = []  # (index of the config in `parts`, collective, problem)
+  if parts[0] == "pallas":
+    kernels.append((4, collective, forward))
+  if parts[1] == "pallas":
+    kernels.append((6 if parts[0] == "pallas" else 4, collective.transpose,
+                    forward.backward()))
+  for i, kernel, problem in kernels:
+    if parts[i + 1] != "heuristic":
+      continue
+    config = tuned.config_from_fields(kernel, json.loads(parts[i]))
+    config = heuristics._pingpong_tiles(config, problem, case["cores"])  # pylint: disable=protected-access
+    parts[i] = config_text(config)
+  return "|".join(parts)
 
 
 def _without_removed_fields(row: str) -> str:

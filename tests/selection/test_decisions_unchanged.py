@@ -10,6 +10,10 @@ exactly those:
 * an explicit `pallas` runs the kernel in the backward too where it can,
   small problems included, as it always did in the forward (the backward
   went to XLA's there).
+
+Heuristic rules added since (ping-pong tiles) are applied to the stored
+configs before the comparison (`decision_grid.with_later_rules`), so the
+grid still pins every other decision and config.
 """
 import os
 import sys

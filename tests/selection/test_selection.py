@@ -90,7 +90,7 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
     (1024, 4096, 2, (4, 6)),   # One wave per ring step, D = 2.
     (1024, 4096, 4, (2, 12)),  # One wave per step, D = 4 (measured).
     (2048, 4096, 2, (2, 12)),  # Two waves per step.
-    (4096, 8192, 2, (2, 12))])
+    (4096, 4096, 2, (2, 12))])
 def test_reduce_scatter_send_pacing_by_waves_and_ring_size(m, n, d, expected):
   config = selection.select_reduce_scatter_config(m, 4096, n, "bfloat16", d)
   assert (config.send_pieces, config.send_gap) == expected
@@ -243,12 +243,16 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
   assert len(set(candidates)) == len(candidates)
   assert {c.send_pieces for c in candidates} == {1, 2, 4}
   # Only the pacing varies, besides the ping-pong candidates: the tiles
-  # are the chosen ones.
+  # are the heuristic's split ones (the chosen ones but for ping-pong).
+  base = selection.heuristic_config(
+      "reduce_scatter", selection.Problem(*shape, "bfloat16", 2),
+      selection.device_facts(), pingpong=False)
+  assert chosen.pingpong or chosen == base
   split = [c for c in candidates if not c.pingpong]
   assert {(c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
            c.max_concurrent_steps) for c in split} == {
-               (chosen.tile_m, chosen.tile_n, chosen.epi_tile_m,
-                chosen.epi_tile_n, chosen.max_concurrent_steps)}
+               (base.tile_m, base.tile_n, base.epi_tile_m,
+                base.epi_tile_n, base.max_concurrent_steps)}
   pingpong = [c for c in candidates if c.pingpong]
   assert {(c.tile_m, c.tile_n, c.epi_slots) for c in pingpong} <= {
       (128, 128, 2), (128, 192, 2), (128, 128, 1)}
@@ -512,13 +516,22 @@ def test_autotune_rounds_rank_the_finalists_by_their_median(monkeypatch):
     (8192, 4096, 6144, 4, 0, (128, 256)),
 ])
 def test_dedicated_senders_only_where_measured(m, k, n, d, senders, cta):
-  config = selection.select_config(m, k, n, "bfloat16", d)
+  config = _split_tiles(m, k, n, d)
   assert config.sender_sms == senders
   assert (config.cta_tile_m, config.cta_tile_n) == cta
   # K-major where a ring step is one wave; by rows over several waves.
   one_wave = selection.tiles_per_step(
       config, selection.Problem(m, k, n, "bfloat16", d)) <= 132 - senders
   assert config.k_major_sends == (senders > 0 and one_wave)
+
+
+def _split_tiles(m, k, n, d, collective="all_gather", dtype="bfloat16"):
+  """The heuristic's config before ping-pong warpgroups (the rules the
+  sender and chaining tests pin; `test_pingpong_tiles_only_where_they_won`
+  pins what replaces its tiles)."""
+  return selection.heuristic_config(
+      collective, selection.Problem(m, k, n, dtype, d),
+      selection.device_facts(), pingpong=False)
 
 
 @pytest.mark.parametrize("m,k,n,out_dtype,tile_k,stages", [
@@ -561,7 +574,7 @@ def test_wide_sender_chunks_where_all_steps_are_one_wave(
     (8192, 5504, 2048, 2, False, False),
 ])
 def test_chained_tiles_only_where_measured(m, k, n, d, eager, chained):
-  config = selection.select_config(m, k, n, "bfloat16", d)
+  config = _split_tiles(m, k, n, d)
   assert (config.eager_release, config.chain_tiles) == (eager, chained)
   if config.eager_release:
     k_iters = -(-k // config.tile_k)
@@ -666,3 +679,63 @@ def test_reduce_scatter_tiles_fill_a_ring_step(m, k, n, d, tiles, pacing):
   if pacing:
     assert (config.send_pieces, config.send_gap) == pacing
 
+
+
+PINGPONG_TILES = dict(tile_m=128, tile_n=192, wg_dimension="n", epi_tile_m=64,
+                      epi_tile_n=64, epi_slots=2, chain_tiles=True,
+                      pingpong=True, max_concurrent_steps=4)
+
+
+@pytest.mark.parametrize("collective,m,k,n,d,taken", [
+    # The llama shapes of the one-GPU core timings at D = 2 (16384 rows in
+    # all): 128 x 192 ping-pong won where its last column tile leaves at
+    # most 2 % of n idle ...
+    ("all_gather", 8192, 4096, 3072, 2, True),    # Tiles' sends, eager.
+    ("all_gather", 8192, 4096, 6144, 2, True),    # Senders by rows.
+    ("all_gather", 8192, 4096, 5504, 2, True),
+    ("all_gather", 8192, 4096, 14336, 2, True),   # Eager release added.
+    ("reduce_scatter", 8192, 4096, 7168, 2, True),
+    ("reduce_scatter", 8192, 4096, 14336, 4, True),
+    # ... and lost or tied where it leaves 3.1 % (n = 2048, 4096) ...
+    ("all_gather", 8192, 4096, 2048, 2, False),
+    ("all_gather", 8192, 5504, 4096, 2, False),
+    ("reduce_scatter", 8192, 7168, 4096, 2, False),
+    # ... or at 2048 rows (2.7 tiles per SM);
+    ("all_gather", 1024, 4096, 6144, 2, False),
+    ("reduce_scatter", 1024, 4096, 6144, 2, False),
+    # not with k-major senders (one tile per SM and step), nor where the
+    # all-gather's tiles forward from their slots at D > 2.
+    ("all_gather", 512, 4096, 8192, 2, False),
+    ("all_gather", 4096, 4096, 6144, 4, False),
+])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_pingpong_tiles_only_where_they_won(collective, m, k, n, d, taken,
+                                            dtype):
+  """`heuristics._pingpong_tiles`: ping-pong warpgroups on 128 x 192 tiles in
+  place of the split ones, the ring's schedule kept: the senders, the
+  reduce-scatter's stores of the same size at the same gaps; the
+  all-gather's tiles free their slots at once (senders by rows, or eager
+  release, added at D = 2 where it had neither)."""
+  out = None if dtype == "bfloat16" else "bfloat16"
+  problem = selection.Problem(m, k, n, dtype, d, out)
+  device = selection.device_facts()
+  split = selection.heuristic_config(collective, problem, device,
+                                     pingpong=False)
+  config = selection.heuristic_config(collective, problem, device)
+  if not taken:
+    assert config == split
+    return
+  assert {f: getattr(config, f) for f in PINGPONG_TILES} == PINGPONG_TILES
+  assert config.tile_k == split.tile_k
+  assert selection.config_reason(config, problem) is None
+  assert configs.axis_reason(config, d) is None
+  assert config.smem_bytes(*problem.itemsizes) <= selection.SMEM_BYTES
+  if collective == "reduce_scatter":
+    store = lambda c: (c.epi_tile_m // c.send_pieces) * c.epi_tile_n
+    assert store(config) == store(split)
+    assert config.send_gap == split.send_gap
+  else:
+    assert (config.sender_sms, config.k_major_sends) == (
+        split.sender_sms, split.k_major_sends)
+    assert config.eager_release == (split.eager_release
+                                    or not split.sender_sms)

@@ -57,12 +57,14 @@ def config_for(collective: Collective, problem: Problem, device: DeviceFacts
 
 
 def heuristic_config(collective: Collective, problem: Problem,
-                     device: DeviceFacts) -> TileConfig:
+                     device: DeviceFacts, pingpong: bool = True
+                     ) -> TileConfig:
   """`collective`'s kernel config for `problem` by the heuristics alone,
-  whatever is measured."""
+  whatever is measured; without ping-pong warpgroups unless `pingpong`
+  (the split-tile config they replace, which autotuning also times)."""
   pick = (heuristics.all_gather_config if collective == Collective.ALL_GATHER
           else heuristics.reduce_scatter_config)
-  return pick(problem, device.num_cores)
+  return pick(problem, device.num_cores, pingpong)
 
 
 class _Verdict(NamedTuple):

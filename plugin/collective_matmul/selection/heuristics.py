@@ -52,19 +52,31 @@ def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
   return min(fitting, key=score)
 
 
-def all_gather_config(problem: Problem, num_sms: int) -> AllGatherConfig:
+def all_gather_config(problem: Problem, num_sms: int,
+                      pingpong: bool = True) -> AllGatherConfig:
   """The all-gather kernel's heuristic config for `problem` (local shards
-  rows x k and k x n): `_tiles`, then dedicated senders (`_sender_config`)
-  and chained tiles (`_chained`) where they help."""
+  rows x k and k x n): `_tiles`, then dedicated senders (`_sender_config`),
+  chained tiles (`_chained`) and, if `pingpong`, ping-pong warpgroups
+  (`_pingpong_tiles`) where they help."""
   base = _tiles(problem, num_sms)
   config = _sender_config(base, problem, num_sms) or base
-  return _fp8_wide_tiles(_chained(config, problem), problem)
+  config = _fp8_wide_tiles(_chained(config, problem), problem)
+  return _pingpong_tiles(config, problem, num_sms) if pingpong else config
 
 
-def reduce_scatter_config(problem: Problem,
+def reduce_scatter_config(problem: Problem, num_sms: int,
+                          pingpong: bool = True) -> ReduceScatterConfig:
+  """The reduce-scatter kernel's heuristic config: `_reduce_scatter_tiles`,
+  then, if `pingpong`, ping-pong warpgroups where they help
+  (`_pingpong_tiles`)."""
+  config = _reduce_scatter_tiles(problem, num_sms)
+  return _pingpong_tiles(config, problem, num_sms) if pingpong else config
+
+
+def _reduce_scatter_tiles(problem: Problem,
                           num_sms: int) -> ReduceScatterConfig:
-  """The reduce-scatter kernel's heuristic config: `_tiles` with the
-  epilogue and send pacing that kernel wants (rows: after the scatter).
+  """`_tiles` with the epilogue and send pacing the reduce-scatter kernel
+  wants (rows: after the scatter).
 
   Its epilogue stores each tile's partial sum to the next device. With the
   whole warpgroup tile in two epilogue slots (epi tile = half the tile) an
@@ -184,6 +196,71 @@ def _fp8_wide_tiles(config, problem: Problem):
   if wide is None or wide.max_concurrent_steps < FP8_WIDE_MIN_STAGES:
     return config  # f32 results: the one slot leaves too few stages.
   return wide
+
+
+# Ping-pong warpgroups (`_pingpong_tiles`): the CTA tile each compute
+# warpgroup runs whole, in turn with the other.
+PINGPONG_TILE = (128, 192)
+# The most of n the last column tile may leave idle: 192-wide tiles leave
+# 3.1 % at n = 2048 and 4096 (where ping-pong lost or tied), 0-1.8 % at
+# n = 3072, 5504, 6144, 7168 and 14336 (where it won).
+PINGPONG_MAX_COLUMN_WASTE = 0.02
+# Tiles of the whole ring per SM at least (ping-pong lost at 2048 rows,
+# 2.7 tiles per SM; won at 16384 rows, 10.7 and more).
+PINGPONG_MIN_TILES_PER_SM = 8
+# Pipeline stages it needs (as measured; fewer do not hide the epilogue).
+PINGPONG_STAGES = 4
+
+
+def _pingpong_tiles(config, problem: Problem, num_sms: int):
+  """Ping-pong warpgroups on `PINGPONG_TILE` tiles (`TileConfig.pingpong`)
+  in place of `config`'s tiles where they help; the ring's schedule kept.
+
+  Each warpgroup runs a whole tile, k loop and epilogue, while the other
+  runs the next tile's k loop, so the epilogue no longer stalls the tensor
+  cores (the excess over cuBLAS is the epilogue and the gap to the next
+  tile). Taken where the 192-wide column tiles leave little of n idle
+  (`PINGPONG_MAX_COLUMN_WASTE`) and the ring has enough tiles for both
+  warpgroups of every SM (`PINGPONG_MIN_TILES_PER_SM`), with two 64 x 64
+  epilogue slots:
+  * all-gather: its tiles must free each slot at once where they forward
+    from it (`configs.axis_reason`): kept where the config has the
+    dedicated senders by rows or releases eagerly (or runs on one device);
+    with neither at D = 2 (wide n, beyond the balanced senders) the eager
+    release is turned on, since it cost less where it was measured wide
+    than ping-pong saves there (docs/TUNING.md); with k-major senders each
+    SM runs one tile per ring step, so the config is kept;
+  * reduce-scatter: the partial sums leave in stores of the size the
+    config's pacing had (`send_pieces` per epilogue tile), at the same
+    k steps apart.
+  """
+  tile_m, tile_n = PINGPONG_TILE
+  n = problem.n
+  if -(-n // tile_n) * tile_n > n * (1 + PINGPONG_MAX_COLUMN_WASTE):
+    return config
+  fields = dict(tile_m=tile_m, tile_n=tile_n, wg_dimension=MatmulDimension.N,
+                epi_tile_m=64, epi_tile_n=64, epi_slots=2, chain_tiles=True,
+                pingpong=True, max_concurrent_steps=PINGPONG_STAGES)
+  if isinstance(config, ReduceScatterConfig):
+    store = (config.epi_tile_m // config.send_pieces) * config.epi_tile_n
+    fields["send_pieces"] = max(1, (64 * 64) // store)
+  elif config.sender_sms and config.k_major_sends:
+    return config
+  elif not config.sender_sms and not config.eager_release:
+    if problem.axis_size > 2:
+      return config
+    fields["eager_release"] = True
+  try:
+    pingpong = dataclasses.replace(config, **fields)
+  except ValueError:  # Row pieces that do not split the epilogue tile.
+    return config
+  pingpong = pingpong.fit_shared_memory(*problem.itemsizes)
+  if pingpong is None or pingpong.max_concurrent_steps < PINGPONG_STAGES:
+    return config  # Fewer stages than were measured (dedicated senders).
+  tiles = problem.axis_size * tiles_per_step(pingpong, problem)
+  if tiles < PINGPONG_MIN_TILES_PER_SM * num_sms:
+    return config
+  return pingpong
 
 
 # Sender blocks of the dedicated-sender schedule (`AllGatherConfig.sender_sms`).
