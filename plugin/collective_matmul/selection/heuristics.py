@@ -227,9 +227,9 @@ def _pingpong_tiles(config, problem: Problem, num_sms: int):
     from it (`configs.axis_reason`): kept where the config has the
     dedicated senders by rows or releases eagerly (or runs on one device);
     with neither at D = 2 (wide n, beyond the balanced senders) the eager
-    release is turned on, since it cost less where it was measured wide
-    than ping-pong saves there (docs/TUNING.md); with k-major senders each
-    SM runs one tile per ring step, so the config is kept;
+    release is turned on, predicted to cost less than ping-pong saves
+    there (docs/TUNING.md; no ring with it timed); with k-major senders
+    each SM runs one tile per ring step, so the config is kept;
   * reduce-scatter: the partial sums leave in stores of the size the
     config's pacing had (`send_pieces` per epilogue tile), at the same
     k steps apart.
