@@ -93,8 +93,12 @@ def test_transformation_equals_plain_lax(collective, impl, transform, keys):
   assert len(got) == len(want)
   for g, r in zip(got, want):
     assert g.shape == r.shape
+    # The loss sums 256 sines (and its derivatives as many terms of up to
+    # a few units) in another order: f32 roundings of about 256 x eps x 3
+    # = 1e-4 where the terms cancel to a small value (2.7e-5 seen on the
+    # all-gather ring's jvp on JAX 0.12).
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5,
-                               atol=2e-5)
+                               atol=1e-4)
 
 
 def _eqns(jaxpr):
