@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from collective_matmul.integrations.maxtext import attention
-from maxtext_runs import cached_train
+from maxtext_runs import cached_train_together
 from test_training import assert_losses_close, STEPS
 
 SHARDED_NOTE = ("GPU flash attention (8, 128, 4, 64): sharded, q "
@@ -74,13 +74,14 @@ def test_the_op_runs_in_a_shard_map_with_the_same_values_and_gradients():
 def _runs():
   common = dict(model="llama2-7b", mesh="ts4_data2", dtype="f32",
                 xla_flash_attention=True)
-  off = cached_train("flash-off", steps=STEPS, plugin=(), **common)
-  on = cached_train("flash-sharded", steps=STEPS,
-                    plugin=("--maxtext_shard_gpu_attention",), **common)
-  ring = cached_train("flash-sharded-ring", steps=STEPS, plugin=(
-      "--maxtext_shard_gpu_attention", "--use_collective_matmul",
-      "--collective_matmul_impl=ring"), **common)
-  return off, on, ring
+  return cached_train_together(
+      ("flash-off", dict(steps=STEPS, plugin=(), **common)),
+      ("flash-sharded", dict(steps=STEPS,
+                             plugin=("--maxtext_shard_gpu_attention",),
+                             **common)),
+      ("flash-sharded-ring", dict(steps=STEPS, plugin=(
+          "--maxtext_shard_gpu_attention", "--use_collective_matmul",
+          "--collective_matmul_impl=ring"), **common)))
 
 
 def test_maxtext_trains_to_the_same_losses_with_the_attention_sharded():

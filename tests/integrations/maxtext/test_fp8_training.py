@@ -5,7 +5,7 @@ fp8 scales. In float32 (`matmul_precision=highest`), so that what differs is
 only where the ring sums in another order and an fp8 rounding flips."""
 import numpy as np
 
-from maxtext_runs import cached_train
+from maxtext_runs import cached_train_together
 
 FP8 = ("quantization=fp8",)
 RING = ("--use_collective_matmul", "--collective_matmul_impl=ring")
@@ -25,14 +25,21 @@ ATTENTION = ("attention/query", "attention/key", "attention/value",
 REDUCE_SCATTERS = ("mlp/wo", "attention/out")
 
 
+def _ring_and_off():
+  """The plugin-on (ring) and plugin-off runs, trained at once."""
+  return cached_train_together(
+      ("llama2-7b-ts4_data2-f32-fp8-ring",
+       dict(dtype="f32", plugin=RING, steps=STEPS, extra=FP8)),
+      ("llama2-7b-ts4_data2-f32-fp8-off",
+       dict(dtype="f32", plugin=(), steps=STEPS, extra=FP8)))
+
+
 def _off():
-  return cached_train("llama2-7b-ts4_data2-f32-fp8-off", dtype="f32",
-                      plugin=(), steps=STEPS, extra=FP8)
+  return _ring_and_off()[1]
 
 
 def _ring():
-  return cached_train("llama2-7b-ts4_data2-f32-fp8-ring", dtype="f32",
-                      plugin=RING, steps=STEPS, extra=FP8)
+  return _ring_and_off()[0]
 
 
 def test_every_fp8_projection_and_its_gradient_matmul_is_rewritten():

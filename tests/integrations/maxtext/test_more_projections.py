@@ -3,7 +3,7 @@ MaxText: each served one trains to plugin-off's losses with its gradients
 (f32). What is left, with reasons: test_coverage.py."""
 import numpy as np
 
-from maxtext_runs import cached_train
+from maxtext_runs import cached_train_together
 
 RING = ("--use_collective_matmul", "--collective_matmul_impl=ring")
 STEPS = 3
@@ -35,10 +35,11 @@ def _assert_rewritten(run, name, how):
 
 
 def test_tied_embedding_logits_are_served_with_the_same_losses_and_gradients():
-  on = cached_train("llama2-7b-tied-f32-ring", dtype="f32", plugin=RING,
-                    steps=STEPS, extra=TIED)
-  off = cached_train("llama2-7b-tied-f32-off", dtype="f32", plugin=(),
-                     steps=STEPS, extra=TIED)
+  on, off = cached_train_together(
+      ("llama2-7b-tied-f32-ring",
+       dict(dtype="f32", plugin=RING, steps=STEPS, extra=TIED)),
+      ("llama2-7b-tied-f32-off",
+       dict(dtype="f32", plugin=(), steps=STEPS, extra=TIED)))
   (line,) = [l for l in on.decision_lines()
              if l.startswith("decoder/logits_via_embedding ")]
   assert "rewritten -> ring over 'tensor_sequence'" in line, line
@@ -76,10 +77,11 @@ def test_mla_out_projection_and_shared_experts_are_served_the_same():
   # Attention's; its low-rank query and key/value projections are left.
   # Its MoE layer (RoutedAndSharedMoE): the shared experts, an MlpBlock of
   # the dense pattern, are served; the routed experts and the gate are left.
-  on = cached_train("deepseek3-tiny-f32-ring", model="deepseek3-tiny",
-                    dtype="f32", plugin=RING, steps=STEPS)
-  off = cached_train("deepseek3-tiny-f32-off", model="deepseek3-tiny",
-                     dtype="f32", plugin=(), steps=STEPS)
+  on, off = cached_train_together(
+      ("deepseek3-tiny-f32-ring", dict(model="deepseek3-tiny", dtype="f32",
+                                       plugin=RING, steps=STEPS)),
+      ("deepseek3-tiny-f32-off", dict(model="deepseek3-tiny", dtype="f32",
+                                      plugin=(), steps=STEPS)))
   for name, how in (
       ("attention/out", "'tensor_sequence' (matmul + reduce-scatter)"),
       ("moe/shared_experts/wi_0", "'tensor_sequence'"),
@@ -102,10 +104,11 @@ def test_mla_out_projection_and_shared_experts_are_served_the_same():
 def test_gpt3_out_projection_is_served_with_the_same_losses_and_gradients():
   # gpt3's own attention class: its out projection is Attention's; its
   # fused query/key/value projection reads an input already gathered.
-  on = cached_train("gpt3-52k-f32-ring", model="gpt3-52k", dtype="f32",
-                    plugin=RING, steps=STEPS)
-  off = cached_train("gpt3-52k-f32-off", model="gpt3-52k", dtype="f32",
-                     plugin=(), steps=STEPS)
+  on, off = cached_train_together(
+      ("gpt3-52k-f32-ring", dict(model="gpt3-52k", dtype="f32", plugin=RING,
+                                 steps=STEPS)),
+      ("gpt3-52k-f32-off", dict(model="gpt3-52k", dtype="f32", plugin=(),
+                                steps=STEPS)))
   (line,) = {l for l in on.decision_lines()
              if l.startswith("attention/out ")}
   assert "rewritten -> ring over 'tensor_sequence' (matmul + " in line, line
@@ -115,10 +118,11 @@ def test_gpt3_out_projection_is_served_with_the_same_losses_and_gradients():
 
 
 def test_gemma4_per_layer_input_projections_are_served_with_the_same_losses():
-  on = cached_train("gemma4-e2b-f32-ring", model="gemma4-e2b", dtype="f32",
-                    plugin=RING, steps=STEPS)
-  off = cached_train("gemma4-e2b-f32-off", model="gemma4-e2b", dtype="f32",
-                     plugin=(), steps=STEPS)
+  on, off = cached_train_together(
+      ("gemma4-e2b-f32-ring", dict(model="gemma4-e2b", dtype="f32",
+                                   plugin=RING, steps=STEPS)),
+      ("gemma4-e2b-f32-off", dict(model="gemma4-e2b", dtype="f32",
+                                  plugin=(), steps=STEPS)))
   for name, how in (
       ("layer/per_layer_input_gate", "'tensor_sequence'"),
       ("layer/per_layer_projection",

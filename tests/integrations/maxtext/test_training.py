@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from maxtext_runs import WORK, cached_train
+from maxtext_runs import WORK, cached_train_together
 
 RING = ("--use_collective_matmul", "--collective_matmul_impl=ring")
 LOSS_RTOL = {"f32": 1e-5, "bf16": 2e-3}
@@ -22,23 +22,41 @@ ATTENTION = ("attention/query", "attention/key", "attention/value",
              "attention/out")
 
 
+def spec(name, **kwargs):
+  """(name, kwargs) of a run, `STEPS` steps unless given."""
+  return name, dict(kwargs, steps=kwargs.get("steps", STEPS))
+
+
+def together(*specs):
+  """The runs of `specs` (see `spec`), those not made yet at once."""
+  return cached_train_together(*specs)
+
+
 def run(name, **kwargs):
-  return cached_train(name, steps=kwargs.pop("steps", STEPS), **kwargs)
+  return together(spec(name, **kwargs))[0]
+
+
+def _spec(kind, plugin, model, mesh, dtype, **kw):
+  return spec(f"{model}-{mesh}-{dtype}-{kind}", model=model, mesh=mesh,
+              dtype=dtype, plugin=plugin, **kw)
 
 
 def stock(model, mesh, dtype="bf16", **kw):
-  return run(f"{model}-{mesh}-{dtype}-stock", model=model, mesh=mesh,
-             dtype=dtype, plugin=None, **kw)
+  return together(_spec("stock", None, model, mesh, dtype, **kw))[0]
 
 
 def off(model, mesh, dtype="bf16", **kw):
-  return run(f"{model}-{mesh}-{dtype}-off", model=model, mesh=mesh,
-             dtype=dtype, plugin=(), **kw)
+  return together(_spec("off", (), model, mesh, dtype, **kw))[0]
 
 
 def ring(model, mesh, dtype="bf16", **kw):
-  return run(f"{model}-{mesh}-{dtype}-ring", model=model, mesh=mesh,
-             dtype=dtype, plugin=RING, **kw)
+  return together(_spec("ring", RING, model, mesh, dtype, **kw))[0]
+
+
+def ring_and_off(model, mesh, dtype="bf16", **kw):
+  """`ring(...)` and `off(...)`, run at once where neither is made yet."""
+  return together(_spec("ring", RING, model, mesh, dtype, **kw),
+                  _spec("off", (), model, mesh, dtype, **kw))
 
 
 def assert_losses_close(a, b, rtol):
@@ -111,8 +129,7 @@ def test_plain_tensor_parallelism_gives_the_reasons_readme_quotes_and_the_hint()
                                         ("llama3-8b", "ts2_data2_fsdp2")])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_ring_trains_to_the_same_losses_as_plugin_off(model, mesh, dtype):
-  assert_losses_close(ring(model, mesh, dtype), off(model, mesh, dtype),
-                      LOSS_RTOL[dtype])
+  assert_losses_close(*ring_and_off(model, mesh, dtype), LOSS_RTOL[dtype])
 
 
 def test_every_projection_is_rewritten_on_a_tensor_sequence_mesh():
@@ -127,8 +144,8 @@ def test_fsdp_weights_are_gathered_and_every_projection_rewritten():
 
 def test_fused_projections_are_rewritten_with_the_same_losses():
   fused = ("fused_mlp=True", "fused_qkv=True")
-  a = run("llama2-7b-fused-ring", plugin=RING, extra=fused)
-  b = run("llama2-7b-fused-off", plugin=(), extra=fused)
+  a, b = together(spec("llama2-7b-fused-ring", plugin=RING, extra=fused),
+                  spec("llama2-7b-fused-off", plugin=(), extra=fused))
   assert_losses_close(a, b, LOSS_RTOL["bf16"])
   assert_rewritten(a, ("mlp/wi", "mlp/wo", "attention/qkv_proj",
                        "attention/out"))
@@ -152,8 +169,9 @@ def test_initial_parameters_are_identical_with_the_plugin_on():
   # MaxText's first checkpoint is written after step 0's update; with a
   # learning rate of 0 it holds the initial parameters.
   frozen = ("learning_rate=0",)
-  a = run("llama2-7b-lr0-ring", plugin=RING, steps=1, extra=frozen)
-  b = run("llama2-7b-lr0-off", plugin=(), steps=1, extra=frozen)
+  a, b = together(
+      spec("llama2-7b-lr0-ring", plugin=RING, steps=1, extra=frozen),
+      spec("llama2-7b-lr0-off", plugin=(), steps=1, extra=frozen))
   ca, cb = a.checkpoint(0), b.checkpoint(0)
   params = [k for k in ca if k.startswith("['params']")]
   assert params and ca.keys() == cb.keys()
