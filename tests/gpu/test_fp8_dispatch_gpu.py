@@ -54,7 +54,7 @@ def _op(collective, weight_given_k_major=False):
 
 
 # The last: the all-gather's pick is fp8's 64 x 256 warpgroup tiles with a
-# one-slot epilogue (`heuristics._fp8_wide_tiles`).
+# one-slot epilogue (`heuristics._wide_tiles`).
 @pytest.mark.parametrize("m,k,n", [(1024, 2048, 1024), (1000, 1600, 768),
                                    (4096, 2048, 2048)], ids=str)
 @pytest.mark.parametrize("lhs_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])

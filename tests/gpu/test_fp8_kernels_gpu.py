@@ -129,7 +129,7 @@ RING_CONFIGS = {
     "ag_tiles_send": AG(tile_k=128),
     "ag_eager_chained": AG(tile_k=128, eager_release=True, chain_tiles=True),
     "ag_k_major_senders": AG(tile_k=128, sender_sms=4, k_major_sends=True),
-    # fp8's pick beside the by-rows senders (`heuristics._fp8_wide_tiles`).
+    # fp8's pick beside the by-rows senders (`heuristics._wide_tiles`).
     "ag_wide_one_slot_senders": AG(tile_k=128, tile_m=64, tile_n=256,
                                    wg_dimension="m", epi_tile_m=64,
                                    epi_tile_n=256, epi_slots=1,
@@ -139,7 +139,7 @@ RING_CONFIGS = {
     "rs_whole_tile_chained": RS(tile_k=128, epi_tile_n=128,
                                 max_concurrent_steps=3, send_pieces=2,
                                 chain_tiles=True),
-    # fp8's pick (`heuristics._fp8_wide_tiles`).
+    # fp8's pick (`heuristics._wide_tiles`).
     "rs_wide_one_slot_pieces": RS(tile_k=128, tile_m=64, tile_n=256,
                                   wg_dimension="m", epi_tile_m=64,
                                   epi_tile_n=256, epi_slots=1,

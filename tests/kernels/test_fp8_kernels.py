@@ -268,7 +268,7 @@ def _check_interpreted(collective, config, m, k, n, keys):
 
 def _fp8_pick(collective):
   """`selection`'s fp8 config (bf16 results) for a problem where it takes
-  the 64 x 256 one-slot tiles (`heuristics._fp8_wide_tiles`)."""
+  the 64 x 256 one-slot tiles (`heuristics._wide_tiles`)."""
   from collective_matmul import selection  # pylint: disable=g-import-not-at-top
   lhs, rhs = ((E4M3, None) if collective == "all_gather" else (E5M2, E4M3))
   problem = selection.Problem(4096, 2048, 2048, lhs, 1, jnp.bfloat16, rhs)

@@ -101,8 +101,10 @@ def stored_rows():
 
 def with_later_rules(case, row: str) -> str:
   """`row` with the heuristic rules added after the redesign applied to its
-  heuristic configs, as the heuristics apply them last: ping-pong tiles
-  (`heuristics._pingpong_tiles`) to each kernel's config for its own
+  heuristic configs, as the heuristics apply them last: one-slot 64 x 256
+  warpgroup tiles in bf16 too (`heuristics._wide_tiles`, once fp8 only;
+  a config it already gave is left as it is), then ping-pong tiles
+  (`heuristics._pingpong_tiles`), to each kernel's config for its own
   problem (the backward's: the transposed collective's, on the backward
   problem). Packaged-table configs are left as they are."""
   if case is None:
@@ -129,6 +131,7 @@ def with_later_rules(case, row: str) -> str:
     if parts[i + 1] != "heuristic":
       continue
     config = tuned.config_from_fields(kernel, json.loads(parts[i]))
+    config = heuristics._wide_tiles(config, problem)  # pylint: disable=protected-access
     config = heuristics._pingpong_tiles(config, problem, case["cores"])  # pylint: disable=protected-access
     parts[i] = config_text(config)
   return "|".join(parts)

@@ -11,7 +11,7 @@ exactly those:
   small problems included, as it always did in the forward (the backward
   went to XLA's there).
 
-Heuristic rules added since (ping-pong tiles) are applied to the stored
+Heuristic rules added since (bf16's one-slot wide tiles, ping-pong tiles) are applied to the stored
 configs before the comparison (`decision_grid.with_later_rules`), so the
 grid still pins every other decision and config.
 """

@@ -83,41 +83,53 @@ def test_pallas_serves_fp8_with_a_config_the_fp8_core_runs(
           or config.max_concurrent_steps >= 4)
 
 
-def _all_gather_pick(shape, d, dtype=E4M3):
-  return selection.config_for("all_gather",
-                              selection.Problem(*shape, dtype, d, BF16),
+def _pick(collective, shape, d, dtype, rhs=None, out=BF16):
+  return selection.config_for(collective,
+                              selection.Problem(*shape, dtype, d, out, rhs),
                               H200)[0]
+
+
+def _split_pick(monkeypatch, collective, shape, d, dtype, rhs=None):
+  """The pick without `heuristics._wide_tiles` (the 128 x 256 CTA tile split
+  along n into two 128 x 128 warpgroup tiles and two epilogue slots)."""
+  with monkeypatch.context() as m:
+    m.setattr(heuristics, "_wide_tiles", lambda config, problem: config)
+    return _pick(collective, shape, d, dtype, rhs)
 
 
 WIDE = dict(tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
             epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
             chain_tiles=True)
+# bf16 and fp8 alike (`heuristics._wide_tiles`; fp8 only until 2026-12-06).
+DTYPES = pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "e4m3"])
 
 
 def _fields(config, names):
   return {name: getattr(config, name) for name in names}
 
 
+@DTYPES
 @pytest.mark.parametrize("shape,d", [
     ((8192, 2048, 4096), 2),    # By-rows senders, chained.
     ((8192, 4096, 4096), 2),
     ((2048, 2048, 2048), 1),    # One device: no ring.
 ], ids=str)
-def test_fp8_all_gather_splits_its_128x256_tile_along_m_where_slots_free_at_once(
-    shape, d):
-  """fp8's all-gather: the 128 x 256 CTA tile as two 64 x 256 warpgroup
-  tiles, each in one epilogue slot, chained; the bf16 pick of the same
-  problem keeps two 128 x 128 warpgroup tiles. The same CTA tile, so the
-  same senders."""
-  fp8, bf16 = _all_gather_pick(shape, d), _all_gather_pick(shape, d, BF16)
-  assert _fields(fp8, WIDE) == WIDE
-  assert (bf16.tile_m, bf16.tile_n, bf16.wg_dimension) == (128, 128, "n")
-  assert (fp8.cta_tile_m, fp8.cta_tile_n) == (bf16.cta_tile_m,
-                                              bf16.cta_tile_n)
-  assert (fp8.sender_sms, fp8.k_major_sends) == (bf16.sender_sms,
-                                                 bf16.k_major_sends)
+def test_all_gather_splits_its_128x256_tile_along_m_where_slots_free_at_once(
+    shape, d, dtype, monkeypatch):
+  """The all-gather: the 128 x 256 CTA tile as two 64 x 256 warpgroup
+  tiles, each in one epilogue slot, chained, where the split pick had two
+  128 x 128 warpgroup tiles. The same CTA tile, so the same senders."""
+  pick = _pick("all_gather", shape, d, dtype)
+  split = _split_pick(monkeypatch, "all_gather", shape, d, dtype)
+  assert _fields(pick, WIDE) == WIDE
+  assert (split.tile_m, split.tile_n, split.wg_dimension) == (128, 128, "n")
+  assert (pick.cta_tile_m, pick.cta_tile_n) == (split.cta_tile_m,
+                                                split.cta_tile_n)
+  assert (pick.sender_sms, pick.k_major_sends) == (split.sender_sms,
+                                                   split.k_major_sends)
 
 
+@DTYPES
 @pytest.mark.parametrize("shape,d,why", [
     ((8192, 4096, 2048), 2, "eager_release"),   # Tiles forward their blocks.
     ((768, 4096, 14336), 2, "forwarding"),      # ... released a step late.
@@ -125,61 +137,68 @@ def test_fp8_all_gather_splits_its_128x256_tile_along_m_where_slots_free_at_once
     ((1024, 4096, 3584), 4, "forwarding"),
     ((8192, 4096, 5504), 2, "wg_dimension"),    # A 256 x 128 CTA tile.
 ], ids=str)
-def test_fp8_all_gather_keeps_the_bf16_tiles_where_the_ring_needs_them(
-    shape, d, why):
+def test_all_gather_keeps_two_slots_where_the_ring_needs_them(
+    shape, d, why, dtype, monkeypatch):
   """Where a ring's tiles forward k blocks from their pipeline slots, the
   one-slot epilogue's shared memory (3 stages, not 4) would cost them a
   stage of prefetch; the k-major senders run one tile per SM and ring
   step; other CTA tiles are not 128 x 256."""
-  fp8, bf16 = _all_gather_pick(shape, d), _all_gather_pick(shape, d, BF16)
-  assert fp8.epi_slots == 2 and fp8.tile_n == bf16.tile_n, why
-  assert fp8.wg_dimension == bf16.wg_dimension
+  pick = _pick("all_gather", shape, d, dtype)
+  assert pick.epi_slots == 2, why
+  assert pick == _split_pick(monkeypatch, "all_gather", shape, d, dtype)
   if why == "eager_release":
-    assert fp8.eager_release
+    assert pick.eager_release
   if why == "k_major_sends":
-    assert fp8.k_major_sends
+    assert pick.k_major_sends
   if why == "forwarding":
-    assert not fp8.sender_sms and not fp8.eager_release
+    assert not pick.sender_sms and not pick.eager_release
 
 
+@DTYPES
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_fp8_keeps_two_slots_where_one_would_leave_two_stages(collective):
+def test_two_slots_kept_where_one_would_leave_two_stages(collective, dtype):
   """With f32 results the one-slot epilogue takes 128 KB and leaves 2
-  pipeline stages: the pick keeps the bf16 tiles and their deeper
+  pipeline stages: the pick keeps the split tiles and their deeper
   pipeline."""
-  problem = _problem((8192, 2048, 4096), 2, "e5m2_e4m3" if collective ==
-                     "reduce_scatter" else "e4m3_e4m3", F32)
+  rhs = E4M3 if dtype == E4M3 else None
+  problem = selection.Problem(8192, 2048, 4096, dtype, 2, F32, rhs)
   config = heuristics.reduce_scatter_config(problem, 132) if (
       collective == "reduce_scatter") else heuristics.all_gather_config(
           problem, 132)
   assert config.epi_slots == 2 and config.wg_dimension == "n"
-  assert config.max_concurrent_steps >= heuristics.FP8_WIDE_MIN_STAGES
+  assert config.max_concurrent_steps >= heuristics.WIDE_MIN_STAGES
 
 
+@pytest.mark.parametrize("pair", [(BF16, None), (E5M2, E4M3)],
+                         ids=["bf16", "e5m2_e4m3"])
 @pytest.mark.parametrize("shape,d", [
     ((8192, 2048, 4096), 2), ((1024, 4096, 4096), 2), ((8192, 4096, 2048), 2),
     ((2048, 4096, 4096), 4),
 ], ids=str)
-def test_fp8_reduce_scatter_takes_one_slot_with_the_same_partial_sum_stores(
-    shape, d):
-  """fp8's reduce-scatter: the 128 x 256 CTA tile as two 64 x 256
-  warpgroup tiles, each in one epilogue slot, chained; the partial sum in
-  twice the row pieces, so it leaves in as many stores of the same size at
-  the same steps as from the bf16 heuristic's two slots (bf16's packaged
-  table has a measured entry at one of these shapes)."""
-  pick = lambda dtype, rhs: heuristics.reduce_scatter_config(
-      selection.Problem(*shape, dtype, d, BF16, rhs), H200.num_cores)
-  fp8, bf16 = pick(E5M2, E4M3), pick(BF16, None)
-  assert _fields(fp8, WIDE) == WIDE
-  assert (bf16.tile_m, bf16.tile_n, bf16.wg_dimension, bf16.epi_slots) == (
+def test_reduce_scatter_takes_one_slot_with_the_same_partial_sum_stores(
+    shape, d, pair, monkeypatch):
+  """The reduce-scatter: the 128 x 256 CTA tile as two 64 x 256 warpgroup
+  tiles, each in one epilogue slot, chained; the partial sum in twice the
+  row pieces, so it leaves in as many stores of the same size at the same
+  steps as from the split pick's two slots (heuristics only: bf16's
+  packaged table has a measured entry at one of these shapes)."""
+  def pick():
+    return heuristics.reduce_scatter_config(
+        selection.Problem(*shape, pair[0], d, BF16, pair[1]), H200.num_cores)
+  wide = pick()
+  with monkeypatch.context() as m:
+    m.setattr(heuristics, "_wide_tiles", lambda config, problem: config)
+    split = pick()
+  assert _fields(wide, WIDE) == WIDE
+  assert (split.tile_m, split.tile_n, split.wg_dimension, split.epi_slots) == (
       128, 128, "n", 2)
-  assert (bf16.epi_tile_m, bf16.epi_tile_n) == (64, 128)
+  assert (split.epi_tile_m, split.epi_tile_n) == (64, 128)
   stores = lambda c: (2 if c.epi_slots == 2 else 1) * c.send_pieces
   piece_bytes = lambda c: (c.epi_tile_m // c.send_pieces) * c.epi_tile_n
-  assert stores(fp8) == stores(bf16)
-  assert piece_bytes(fp8) == piece_bytes(bf16)
-  assert fp8.send_gap == bf16.send_gap
-  assert fp8.max_concurrent_steps == bf16.max_concurrent_steps == 3
+  assert stores(wide) == stores(split)
+  assert piece_bytes(wide) == piece_bytes(split)
+  assert wide.send_gap == split.send_gap
+  assert wide.max_concurrent_steps == split.max_concurrent_steps == 3
 
 
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])

@@ -73,17 +73,26 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
                                                    out_dtype=out_dtype)
       out_itemsize = 4 if out_dtype else 2
       assert config.smem_bytes(2, out_itemsize) <= selection.SMEM_BYTES
-      if (config.tile_m, config.tile_n, config.wg_dimension) != (
-          base.tile_m, base.tile_n, base.wg_dimension):
+      if (config.cta_tile_m, config.cta_tile_n) != (base.cta_tile_m,
+                                                    base.cta_tile_n):
         assert 2 * selection.tiles_per_step(base, problem) <= 132
         assert config.cta_tile_m >= 128
         assert (selection.tiles_per_step(config, problem)
                 > selection.tiles_per_step(base, problem))
       if config != configs.ReduceScatterConfig(**base.tile_fields()):
-        # Whole warpgroup tile in the two slots, >= 3 stages left.
-        assert 2 * config.epi_tile_m * config.epi_tile_n == (
+        # Whole warpgroup tile in the two slots (or, 64 x 256 warpgroup
+        # tiles, in one: `heuristics._wide_tiles`), >= 3 stages left.
+        assert config.epi_slots * config.epi_tile_m * config.epi_tile_n == (
             config.tile_m * config.tile_n)
         assert config.max_concurrent_steps >= 3
+
+
+def _pacing(config):
+  """(row pieces per slot of a two-slot epilogue, send gap): a one-slot
+  epilogue (`heuristics._wide_tiles`) holds both slots' rows in twice the
+  pieces, so its stores are the same."""
+  return (config.send_pieces // (2 if config.epi_slots == 1 else 1),
+          config.send_gap)
 
 
 @pytest.mark.parametrize("m,n,d,expected", [
@@ -93,12 +102,15 @@ def test_reduce_scatter_config_widens_epilogue_only_where_it_fits(out_dtype):
     (4096, 4096, 2, (2, 12))])
 def test_reduce_scatter_send_pacing_by_waves_and_ring_size(m, n, d, expected):
   config = selection.select_reduce_scatter_config(m, 4096, n, "bfloat16", d)
-  assert (config.send_pieces, config.send_gap) == expected
+  assert _pacing(config) == expected
 
 
 def test_reduce_scatter_config_at_the_seed_shape():
   config = selection.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2)
-  assert (config.epi_tile_m, config.epi_tile_n) == (64, 128)
+  # The 128 x 256 CTA tile as two 64 x 256 warpgroup tiles, each whole in
+  # one epilogue slot (`heuristics._wide_tiles`), 3 stages.
+  assert (config.tile_m, config.tile_n, config.epi_slots) == (64, 256, 1)
+  assert (config.epi_tile_m, config.epi_tile_n) == (64, 256)
   assert config.max_concurrent_steps == 3
   # A float32 epilogue of that size would leave 2 stages: kept narrow.
   f32 = selection.select_reduce_scatter_config(1024, 4096, 4096, "bfloat16", 2,
@@ -241,13 +253,17 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
       "reduce_scatter", selection.Problem(*shape, "bfloat16", 2)))
   assert chosen in candidates
   assert len(set(candidates)) == len(candidates)
-  assert {c.send_pieces for c in candidates} == {1, 2, 4}
   # Only the pacing varies, besides the ping-pong candidates: the tiles
   # are the heuristic's split ones (the chosen ones but for ping-pong).
   base = selection.heuristic_config(
       "reduce_scatter", selection.Problem(*shape, "bfloat16", 2),
       selection.device_facts(), pingpong=False)
   assert chosen.pingpong or chosen == base
+  # Pieces per two-slot slot 1, 2 and 4 (twice those where the split
+  # tiles have one slot), and unpaced.
+  per_slot = 2 if base.epi_slots == 1 else 1
+  assert {c.send_pieces for c in candidates} == {1} | {
+      per_slot * p for p in (1, 2, 4)}
   split = [c for c in candidates if not c.pingpong]
   assert {(c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
            c.max_concurrent_steps) for c in split} == {
@@ -677,7 +693,7 @@ def test_reduce_scatter_tiles_fill_a_ring_step(m, k, n, d, tiles, pacing):
   config = selection.select_reduce_scatter_config(m, k, n, "bfloat16", d)
   assert (config.cta_tile_m, config.cta_tile_n) == tiles
   if pacing:
-    assert (config.send_pieces, config.send_gap) == pacing
+    assert _pacing(config) == pacing
 
 
 

@@ -60,7 +60,7 @@ def all_gather_config(problem: Problem, num_sms: int,
   (`_pingpong_tiles`) where they help."""
   base = _tiles(problem, num_sms)
   config = _sender_config(base, problem, num_sms) or base
-  config = _fp8_wide_tiles(_chained(config, problem), problem)
+  config = _wide_tiles(_chained(config, problem), problem)
   return _pingpong_tiles(config, problem, num_sms) if pingpong else config
 
 
@@ -107,7 +107,7 @@ def _reduce_scatter_tiles(problem: Problem,
           *problem.itemsizes)
   if wide is None or wide.max_concurrent_steps < 3:
     return base
-  return _fp8_wide_tiles(wide, problem)
+  return _wide_tiles(wide, problem)
 
 
 # Local n up to which a block's tiles share one pipeline with the tiles'
@@ -143,25 +143,27 @@ def _chained(config: AllGatherConfig, problem: Problem) -> AllGatherConfig:
   return config
 
 
-# fp8 (`_fp8_wide_tiles`): each compute warpgroup's tile and the one
-# epilogue slot that holds it, where the CTA tile is 128 x 256.
-FP8_WIDE_TILE = (64, 256)
+# `_wide_tiles`: each compute warpgroup's tile and the one epilogue slot
+# that holds it, where the CTA tile is 128 x 256.
+WIDE_TILE = (64, 256)
 # The pipeline stages it needs (as many as fit with bf16 results).
-FP8_WIDE_MIN_STAGES = 3
+WIDE_MIN_STAGES = 3
 
 
-def _fp8_wide_tiles(config, problem: Problem):
-  """For fp8: a 128 x 256 CTA tile split along m (each compute warpgroup
-  64 x 256, `FP8_WIDE_TILE`) with its whole tile in one epilogue slot
-  (`epi_slots=1`), chained, instead of along n (128 x 128 each) through
-  two slots; where a ring's schedule is unchanged by it.
+def _wide_tiles(config, problem: Problem):
+  """A 128 x 256 CTA tile split along m (each compute warpgroup 64 x 256,
+  `WIDE_TILE`) with its whole tile in one epilogue slot (`epi_slots=1`),
+  chained, instead of along n (128 x 128 each) through two slots; where a
+  ring's schedule is unchanged by it. bf16 and fp8 alike.
 
-  At fp8 the k loop takes half the bf16 time and the epilogue does not
-  shrink: the one-slot epilogue is one cast and one store per warpgroup
-  tile, with no wait for a slot, and chaining loads the next tile's first
-  k blocks under it. Same CTA tile, so the same tiles per step, padding
-  and senders. Its shared memory leaves 3 pipeline stages with bf16
-  results (`FP8_WIDE_MIN_STAGES`; 2 with f32 results, which keep `config`):
+  The excess over cuBLAS is the epilogue and the gap to the next tile (the
+  k loop runs at the tensor cores' peak), and fp8 halves the k loop but not
+  the epilogue: the one-slot epilogue is one cast and one store per
+  warpgroup tile, with no wait for a slot, and chaining loads the next
+  tile's first k blocks under it. Same CTA tile, so the same tiles per
+  step, padding and senders. Its shared memory leaves 3 pipeline stages
+  with bf16 results (`WIDE_MIN_STAGES`; 2 with f32 results, which keep
+  `config`):
   * all-gather: taken where the pipeline releases its slots at once (one
     device, or the dedicated senders by rows). Tiles that forward k blocks
     from their slots (released a step late) would lose a stage of
@@ -171,12 +173,13 @@ def _fp8_wide_tiles(config, problem: Problem):
     stages; the one slot leaves in twice the row pieces, so the previous
     tile's partial sum still leaves in as many stores of the same size at
     the same k steps.
+  Where 192-wide ping-pong tiles fit n (`_pingpong_tiles`, applied after)
+  they replace it.
   """
-  if not problem.is_fp8 or (config.cta_tile_m, config.cta_tile_n,
-                            config.wg_dimension) != (128, 256,
-                                                     MatmulDimension.N):
+  if (config.cta_tile_m, config.cta_tile_n,
+      config.wg_dimension) != (128, 256, MatmulDimension.N):
     return config
-  tile_m, tile_n = FP8_WIDE_TILE
+  tile_m, tile_n = WIDE_TILE
   fields = dict(tile_m=tile_m, tile_n=tile_n, wg_dimension=MatmulDimension.M,
                 epi_tile_m=tile_m, epi_tile_n=tile_n, epi_slots=1,
                 chain_tiles=True)
@@ -193,7 +196,7 @@ def _fp8_wide_tiles(config, problem: Problem):
   except ValueError:  # Row pieces below 8 rows.
     return config
   wide = wide.fit_shared_memory(*problem.itemsizes)
-  if wide is None or wide.max_concurrent_steps < FP8_WIDE_MIN_STAGES:
+  if wide is None or wide.max_concurrent_steps < WIDE_MIN_STAGES:
     return config  # f32 results: the one slot leaves too few stages.
   return wide
 
