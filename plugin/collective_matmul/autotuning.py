@@ -100,7 +100,10 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   Reduce-scatter (needs the problem): the chosen config of the problem
   first, then the heuristic's split-tile config (before ping-pong) with
   the send pacing around it (row pieces x send gap; the pacing that wins
-  depends on how many waves a ring step takes), and unpaced. Both:
+  depends on how many waves a ring step takes), and unpaced; where that
+  config has one-slot 64 x 256 warpgroup tiles, the same for the two-slot
+  128 x 128 ones they replace (the heuristic takes them from core timings,
+  autotuning times both in the ring). Both:
   ping-pong warpgroups on 128 x 128 and 128 x 192 tiles and with a
   one-slot epilogue (`_pingpong_candidates`; the all-gather's released
   eagerly and with the senders by rows): the heuristic takes the 128 x 192
@@ -126,35 +129,40 @@ def candidate_configs(collective: Collective | str = Collective.ALL_GATHER,
   device = device or selection.device_facts()
   chosen = selection.config_for(Collective.REDUCE_SCATTER, problem,
                                 device)[0]
-  # The split-tile config (the heuristic's before ping-pong): its pacing.
-  base = selection.heuristic_config(Collective.REDUCE_SCATTER, problem,
-                                    device, pingpong=False)
+  # The split-tile configs (the heuristic's before ping-pong, with and
+  # without one-slot wide tiles): their pacing.
+  bases = [selection.heuristic_config(Collective.REDUCE_SCATTER, problem,
+                                      device, pingpong=False,
+                                      wide_tiles=wide)
+           for wide in (True, False)]
   seen = set()
-  for config in _reduce_scatter_candidates(chosen, base):
+  for config in _reduce_scatter_candidates(chosen, bases):
     if config not in seen and selection.config_reason(config,
                                                       problem) is None:
       seen.add(config)
       yield config
 
 
-def _reduce_scatter_candidates(chosen, base):
+def _reduce_scatter_candidates(chosen, bases):
   """`candidate_configs`' reduce-scatter list, in order, duplicates
-  included: `chosen` first, then `base` paced every way, then ping-pong
-  from `base`."""
+  included: `chosen` first, then each of `bases` paced every way, then
+  ping-pong from the first."""
   yield chosen
-  # Pieces per slot of a two-slot epilogue: a one-slot epilogue holds both
-  # slots' rows, so it takes twice the pieces for stores of the same size.
-  per_slot = 2 if base.epi_slots == 1 else 1
-  yield base
-  for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
-    for gap in gaps:
-      try:
-        yield dataclasses.replace(base, send_pieces=per_slot * pieces,
-                                  send_gap=gap)
-      except ValueError:  # Pieces that do not split this epilogue tile.
-        continue
-  yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
-  yield from _pingpong_candidates(base)
+  for base in bases:
+    # Pieces per slot of a two-slot epilogue: a one-slot epilogue holds
+    # both slots' rows, so it takes twice the pieces for stores of the same
+    # size.
+    per_slot = 2 if base.epi_slots == 1 else 1
+    yield base
+    for pieces, gaps in ((1, (12, 24)), (2, (6, 12, 16)), (4, (4, 6))):
+      for gap in gaps:
+        try:
+          yield dataclasses.replace(base, send_pieces=per_slot * pieces,
+                                    send_gap=gap)
+        except ValueError:  # Pieces that do not split this epilogue tile.
+          continue
+    yield dataclasses.replace(base, spread_sends=False, send_pieces=1)
+  yield from _pingpong_candidates(bases[0])
 
 
 def _all_gather_candidates(problem, device):

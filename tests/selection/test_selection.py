@@ -254,21 +254,23 @@ def test_reduce_scatter_candidates_cover_the_chosen_config(shape):
   assert chosen in candidates
   assert len(set(candidates)) == len(candidates)
   # Only the pacing varies, besides the ping-pong candidates: the tiles
-  # are the heuristic's split ones (the chosen ones but for ping-pong).
-  base = selection.heuristic_config(
+  # are the heuristic's split ones (the chosen ones but for ping-pong),
+  # and the two-slot ones where those are one-slot 64 x 256 tiles.
+  heuristic = lambda **kw: selection.heuristic_config(
       "reduce_scatter", selection.Problem(*shape, "bfloat16", 2),
-      selection.device_facts(), pingpong=False)
+      selection.device_facts(), pingpong=False, **kw)
+  base, two_slot = heuristic(), heuristic(wide_tiles=False)
   assert chosen.pingpong or chosen == base
-  # Pieces per two-slot slot 1, 2 and 4 (twice those where the split
-  # tiles have one slot), and unpaced.
-  per_slot = 2 if base.epi_slots == 1 else 1
+  assert two_slot.epi_slots == 2
+  # Pieces per two-slot slot 1, 2 and 4 (twice those with one slot), and
+  # unpaced.
   assert {c.send_pieces for c in candidates} == {1} | {
-      per_slot * p for p in (1, 2, 4)}
+      (2 if c.epi_slots == 1 else 1) * p for p in (1, 2, 4)
+      for c in (base, two_slot)}
   split = [c for c in candidates if not c.pingpong]
-  assert {(c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
-           c.max_concurrent_steps) for c in split} == {
-               (base.tile_m, base.tile_n, base.epi_tile_m,
-                base.epi_tile_n, base.max_concurrent_steps)}
+  tiles = lambda c: (c.tile_m, c.tile_n, c.epi_tile_m, c.epi_tile_n,
+                     c.max_concurrent_steps)
+  assert {tiles(c) for c in split} == {tiles(base), tiles(two_slot)}
   pingpong = [c for c in candidates if c.pingpong]
   assert {(c.tile_m, c.tile_n, c.epi_slots) for c in pingpong} <= {
       (128, 128, 2), (128, 192, 2), (128, 128, 1)}
@@ -336,7 +338,8 @@ def test_fp8_autotune_candidates_are_fp8_configs(collective, dtypes):
 def test_fp8_reduce_scatter_candidates_pace_its_one_slot_as_two():
   """fp8's reduce-scatter pick holds its tile in one epilogue slot: the
   sweep starts from it and gives it twice the row pieces of the two-slot
-  grid, so its stores have the sizes the bf16 sweep times."""
+  tiles it replaces (also swept), so its stores have the sizes the bf16
+  sweep times."""
   from collective_matmul import autotuning
   problem = selection.Problem(8192, 4096, 2048, np.dtype("float8_e5m2"), 2,
                               np.dtype(jnp.bfloat16),
@@ -346,14 +349,19 @@ def test_fp8_reduce_scatter_candidates_pace_its_one_slot_as_two():
   candidates = list(autotuning.candidate_configs("reduce_scatter", problem))
   assert chosen.epi_slots == 1 and candidates[0] == chosen
   assert len(set(candidates)) == len(candidates)
-  # (The ping-pong candidates keep the pick's pacing.)
+  # (The ping-pong candidates keep the pick's pacing.) Beside it the
+  # two-slot tiles it replaces, with their pacing.
   paced = [c for c in candidates if c.spread_sends and not c.pingpong]
-  assert {c.send_pieces for c in paced} == {2, 4, 8}
-  rows = {c.epi_tile_m // c.send_pieces * c.epi_tile_n for c in paced}
+  assert {c.send_pieces for c in paced if c.epi_slots == 1} == {2, 4, 8}
+  assert {c.send_pieces for c in paced if c.epi_slots == 2} == {1, 2, 4}
+  rows = lambda cs: {c.epi_tile_m // c.send_pieces * c.epi_tile_n
+                     for c in cs}
+  assert rows(c for c in paced if c.epi_slots == 1) == rows(
+      c for c in paced if c.epi_slots == 2)
   bf16 = selection.Problem(8192, 4096, 2048, np.dtype(jnp.bfloat16), 2)
-  assert rows == {c.epi_tile_m // c.send_pieces * c.epi_tile_n
-                  for c in autotuning.candidate_configs("reduce_scatter", bf16)
-                  if c.spread_sends and not c.pingpong}
+  assert rows(paced) == rows(
+      c for c in autotuning.candidate_configs("reduce_scatter", bf16)
+      if c.spread_sends and not c.pingpong)
 
 
 def test_autotune_candidates_reject_an_unknown_collective():

@@ -57,14 +57,15 @@ def config_for(collective: Collective, problem: Problem, device: DeviceFacts
 
 
 def heuristic_config(collective: Collective, problem: Problem,
-                     device: DeviceFacts, pingpong: bool = True
-                     ) -> TileConfig:
+                     device: DeviceFacts, pingpong: bool = True,
+                     wide_tiles: bool = True) -> TileConfig:
   """`collective`'s kernel config for `problem` by the heuristics alone,
-  whatever is measured; without ping-pong warpgroups unless `pingpong`
-  (the split-tile config they replace, which autotuning also times)."""
+  whatever is measured; without ping-pong warpgroups unless `pingpong`,
+  without one-slot 64 x 256 warpgroup tiles unless `wide_tiles` (the
+  configs they replace, which autotuning also times)."""
   pick = (heuristics.all_gather_config if collective == Collective.ALL_GATHER
           else heuristics.reduce_scatter_config)
-  return pick(problem, device.num_cores, pingpong)
+  return pick(problem, device.num_cores, pingpong, wide_tiles)
 
 
 class _Verdict(NamedTuple):

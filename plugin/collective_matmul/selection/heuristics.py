@@ -52,24 +52,30 @@ def _tiles(problem: Problem, num_sms: int) -> AllGatherConfig:
   return min(fitting, key=score)
 
 
-def all_gather_config(problem: Problem, num_sms: int,
-                      pingpong: bool = True) -> AllGatherConfig:
+def all_gather_config(problem: Problem, num_sms: int, pingpong: bool = True,
+                      wide_tiles: bool = True) -> AllGatherConfig:
   """The all-gather kernel's heuristic config for `problem` (local shards
   rows x k and k x n): `_tiles`, then dedicated senders (`_sender_config`),
-  chained tiles (`_chained`) and, if `pingpong`, ping-pong warpgroups
-  (`_pingpong_tiles`) where they help."""
+  chained tiles (`_chained`) and, where they help, if `wide_tiles`, one-slot
+  64 x 256 warpgroup tiles (`_wide_tiles`) and, if `pingpong`, ping-pong
+  warpgroups (`_pingpong_tiles`)."""
   base = _tiles(problem, num_sms)
-  config = _sender_config(base, problem, num_sms) or base
-  config = _wide_tiles(_chained(config, problem), problem)
+  config = _chained(_sender_config(base, problem, num_sms) or base, problem)
+  if wide_tiles:
+    config = _wide_tiles(config, problem)
   return _pingpong_tiles(config, problem, num_sms) if pingpong else config
 
 
 def reduce_scatter_config(problem: Problem, num_sms: int,
-                          pingpong: bool = True) -> ReduceScatterConfig:
+                          pingpong: bool = True,
+                          wide_tiles: bool = True) -> ReduceScatterConfig:
   """The reduce-scatter kernel's heuristic config: `_reduce_scatter_tiles`,
-  then, if `pingpong`, ping-pong warpgroups where they help
+  then, where they help, if `wide_tiles`, one-slot 64 x 256 warpgroup
+  tiles (`_wide_tiles`) and, if `pingpong`, ping-pong warpgroups
   (`_pingpong_tiles`)."""
   config = _reduce_scatter_tiles(problem, num_sms)
+  if wide_tiles:
+    config = _wide_tiles(config, problem)
   return _pingpong_tiles(config, problem, num_sms) if pingpong else config
 
 
@@ -107,7 +113,7 @@ def _reduce_scatter_tiles(problem: Problem,
           *problem.itemsizes)
   if wide is None or wide.max_concurrent_steps < 3:
     return base
-  return _wide_tiles(wide, problem)
+  return wide
 
 
 # Local n up to which a block's tiles share one pipeline with the tiles'
