@@ -133,3 +133,56 @@ def test_the_kernels_reach_peers_only_through_the_seam():
       # Outside the kernel: `return_gathered` rotates the received shards.
       code = code.replace("jnp.roll(held, lax.axis_index(axis_name)", "")
     assert not pattern.search(code), (path.name, pattern.search(code))
+
+
+def test_the_check_matches_numpy_and_catches_unwritten_ranks():
+  """`check` (on the device) gives each rank's relative error as numpy
+  does, inf for a rank with a NaN left by the poison, and a bit sum that
+  moves with any one changed element."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  ref = rng.standard_normal((3, 96, 80)).astype(np.float32)
+  out = jnp.asarray(ref + 1e-2 * rng.standard_normal(ref.shape), jnp.bfloat16)
+  rel, total = rings.check(out, jnp.asarray(ref))
+  x = np.asarray(out, np.float32)
+  expected = [np.linalg.norm(x[r] - ref[r]) / np.linalg.norm(ref[r])
+              for r in range(3)]
+  np.testing.assert_allclose(np.asarray(rel), expected, rtol=1e-4)
+  bits = np.asarray(out).view(np.uint16).astype(np.uint64).sum() % 2**32
+  assert int(total) == int(bits)
+  poisoned = out.at[1, 5, 7].set(jnp.nan)
+  rel, moved = rings.check(poisoned, jnp.asarray(ref))
+  rel = np.asarray(rel)
+  assert np.isinf(rel[1]) and np.isfinite(rel[[0, 2]]).all()
+  assert int(moved) != int(total)
+  nudged = out.at[2, 0, 0].set(out[2, 0, 0] + 1)
+  assert int(rings.check(nudged, jnp.asarray(ref))[1]) != int(total)
+
+
+@pytest.mark.parametrize("unwritten", [False, True])
+def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch, unwritten):
+  """`run_case`'s steps around the kernel (compile, operands, poison, two
+  runs, the check on the device) with the kernel swapped for its f32
+  reference cast to the output dtype: ok; with one rank left NaN, wrong."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  case = next(c for c in rings.cases() if c.name ==
+              "reduce_scatter/off_tiles/d2/bf16/1000x1936x1064")
+  real = rings._program  # pylint: disable=protected-access
+
+  def program(case):
+    _, specs, reference = real(case)
+
+    def fake(*args):
+      out = reference(*args).astype(jnp.bfloat16)
+      return out.at[1].set(jnp.nan) if unwritten else out
+    return jax.jit(fake), specs, reference
+  monkeypatch.setattr(rings, "_program", program)
+  result = rings.run_case(case)
+  assert result["status"] == ("wrong" if unwritten else "ok"), result
+  assert len(result["rank_errors"]) == case.d and not result["moved"]
+  if unwritten:
+    assert result["rank_errors"][1] == float("inf")
+  else:
+    assert result["rel_error"] < 1e-2
