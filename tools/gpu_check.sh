@@ -14,11 +14,19 @@
 #   bench_ag     bench_kernels.py, all-gather shapes ($BENCH_ARGS appended)
 #   bench        bench_kernels.py with $BENCH_ARGS only (default: every shape)
 #   ab           the reference host's A/B training step (llama3-8b, 2 layers)
-# Step timeouts can be set as TIMEOUT_<step>=seconds.
+#   tests_d1     all of tests/gpu but the rings' harness (one GPU is enough)
+#   rings        tools/rings_one_gpu.py: the rings as virtual ranks on GPU 0,
+#                JSON in OUTDIR/rings.json ($RINGS_ARGS appended, e.g.
+#                "--only picked" or "--start N"; it stops starting cases a
+#                minute before its timeout)
+#   core         tools/bench_gemm_core.py, one process per shape (its ten, or
+#                $CORE_SHAPES), --rounds 2 ($CORE_ARGS appended), JSON per
+#                shape in OUTDIR/core/, plot OUTDIR/core.png
+# Step timeouts can be set as TIMEOUT_<step>=seconds (core: per shape).
 set -u
 out=${1:?usage: gpu_check.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
-export PYTHONPATH=plugin:host NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=plugin:host:tests NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # XLA command buffers off: the kernels are wrong under CUDA-graph replay
 # (collective_matmul.selection.command_buffer_reason).
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -26,6 +34,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv \
   > "$out/gpu_info.txt" 2>&1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 read -r -a bench_args <<< "${BENCH_ARGS:-}"
+read -r -a rings_args <<< "${RINGS_ARGS:-}"
+read -r -a core_args <<< "${CORE_ARGS:-}"
 
 step_timeout() { local v="TIMEOUT_$1"; echo "${!v:-$2}"; }
 
@@ -74,6 +84,30 @@ for step in "$@"; do
         steps=10 fused_mlp=True fused_qkv=True enable_checkpointing=False \
         --output_dir "$out/ab"
       grep -v "^  " "$out/ab.log" | grep -v "^I1\|^W1" | tail -8;;
+    tests_d1)
+      run_step tests_d1 480 python -m pytest -q -p no:cacheprovider tests/gpu \
+        --ignore=tests/gpu/test_rings_one_gpu.py
+      tail -1 "$out/tests_d1.log";;
+    rings)
+      limit=$(step_timeout rings 540)
+      run_step rings "$limit" python tools/rings_one_gpu.py --hang-s 20 \
+        --budget-s $((limit > 120 ? limit - 60 : limit / 2)) \
+        --out "$out/rings.json" "${rings_args[@]}"
+      tail -3 "$out/rings.log";;
+    core)
+      mkdir -p "$out/core"
+      read -r -a shapes <<< "${CORE_SHAPES:-$(python -c \
+        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.SHAPES)')}"
+      for shape in "${shapes[@]}"; do
+        name=core_${shape//\//_}
+        run_step "$name" "$(step_timeout core 90)" \
+          python tools/bench_gemm_core.py --rounds 2 --skip-upstream \
+          --shapes "$shape" --out "$out/core/$name.json" "${core_args[@]}"
+        grep -h "medians" "$out/$name.log"
+      done
+      if compgen -G "$out/core/*.json" > /dev/null; then  # Not with --plan.
+        python tools/plot_gemm_core.py "$out"/core/*.json "$out/core.png"
+      fi;;
     *)
       echo "unknown step '$step' (see the header of $0)"; exit 2;;
   esac

@@ -1,0 +1,46 @@
+"""tools/gpu_check.sh without a GPU: every step its header names is one it
+runs (and no other), an unknown step is refused, and the one-GPU steps
+(`rings`, `core`) run their tools as a GPU call would, here with `--plan`
+(traced on CPU)."""
+import os
+import re
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO_ROOT, "tools", "gpu_check.sh")
+
+
+def _run(out, *steps, **env):
+  return subprocess.run(
+      ["bash", SCRIPT, str(out), *steps], cwd=REPO_ROOT, capture_output=True,
+      text=True, timeout=600,
+      env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ["PATH"], **env))
+
+
+def test_the_header_names_every_step_it_runs():
+  text = open(SCRIPT).read()
+  header = text.split("# Steps:")[1].split("# Step timeouts")[0]
+  named = set(re.findall(r"^#   (\w+)", header, re.M))
+  branches = set(re.findall(r"^    (\w+)\)$", text, re.M))
+  assert named == branches, (named ^ branches)
+  assert {"rings", "core", "tests_d1"} <= named
+
+
+def test_an_unknown_step_is_refused(tmp_path):
+  result = _run(tmp_path, "no_such_step")
+  assert result.returncode == 2
+  assert "unknown step 'no_such_step'" in result.stdout
+
+
+def test_the_one_gpu_steps_run_their_tools(tmp_path):
+  result = _run(tmp_path, "core", "rings", CORE_SHAPES="2048/4096/4096",
+                CORE_ARGS="--plan", RINGS_ARGS="--plan --only all_gather/default/d2")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "== core_2048_4096_4096 rc=0" in result.stdout
+  assert "== rings rc=0" in result.stdout
+  assert "planned 1 cases" in (tmp_path / "rings.log").read_text()
+  core_log = (tmp_path / "core_2048_4096_4096.log").read_text()
+  assert "2048/4096/4096 ours_ag" in core_log and "plan:" in core_log
