@@ -546,6 +546,18 @@ def plan(selected, lower: bool) -> list[str]:
   return errors
 
 
+def passed_before(paths) -> set[tuple[str, str]]:
+  """(name, config repr) of every case that passed in these `--out`
+  files."""
+  passed = set()
+  for path in paths:
+    with open(path) as f:
+      for r in json.load(f)["results"]:
+        if r.get("passed"):
+          passed.add((r["name"], r["config"]))
+  return passed
+
+
 def _device_kind():
   try:
     return subprocess.run(
@@ -567,6 +579,11 @@ def main(argv=None):
                       help="only the default, mutation and skew cases")
   parser.add_argument("--only", nargs="*", default=None,
                       help="cases whose names contain one of these")
+  parser.add_argument("--skip-passed", nargs="+", default=None,
+                      metavar="JSON",
+                      help="leave out the cases that passed, with the same "
+                      "config, in these earlier --out files (kernels "
+                      "unchanged since: what selection changed runs again)")
   parser.add_argument("--start", type=int, default=0,
                       help="skip the first START selected cases (to go on "
                       "where a run's --budget-s stopped)")
@@ -591,6 +608,9 @@ def main(argv=None):
     selected = [c for c in selected if any(s in c.name for s in args.only)]
     if not selected:
       parser.error(f"--only {args.only}: no case matches")
+  if args.skip_passed:
+    passed = passed_before(args.skip_passed)
+    selected = [c for c in selected if (c.name, repr(c.config)) not in passed]
   selected = selected[args.start:]
   if args.list:
     for c in selected:

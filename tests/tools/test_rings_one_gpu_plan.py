@@ -4,6 +4,7 @@ a dropped wait and a dropped signal per kernel), their programs trace
 (and lower for CUDA on JAX >= 0.12), the runner reports a hang or a dead
 worker as a failure instead of hanging, and the kernels reach their peers
 only through `kernels.peers`."""
+import json
 import os
 import pathlib
 import re
@@ -186,3 +187,21 @@ def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch, unwritten):
     assert result["rank_errors"][1] == float("inf")
   else:
     assert result["rel_error"] < 1e-2
+
+
+def test_skip_passed_leaves_out_only_what_passed_with_the_same_config(
+    tmp_path, capsys):
+  cases = rings.cases()
+  ok, failed, other_config = cases[0], cases[1], cases[2]
+  results = [dict(name=ok.name, config=repr(ok.config), passed=True),
+             dict(name=failed.name, config=repr(failed.config), passed=False),
+             dict(name=other_config.name, config="AllGatherConfig()",
+                  passed=True)]
+  path = tmp_path / "earlier.json"
+  path.write_text(json.dumps(dict(results=results)))
+  assert rings.passed_before([path]) == {(ok.name, repr(ok.config)),
+                                         (other_config.name,
+                                          "AllGatherConfig()")}
+  assert rings.main(["--list", "--skip-passed", str(path)]) == 0
+  listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+  assert listed == [c.name for c in cases[1:]]
