@@ -609,8 +609,15 @@ def main(argv=None):
     if not selected:
       parser.error(f"--only {args.only}: no case matches")
   if args.skip_passed:
-    passed = passed_before(args.skip_passed)
+    try:
+      passed = passed_before(args.skip_passed)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      parser.error(f"--skip-passed: not an earlier --out file: "
+                   f"{type(e).__name__}: {e}")
     selected = [c for c in selected if (c.name, repr(c.config)) not in passed]
+    if not selected:
+      print("every selected case passed before (--skip-passed): none to run")
+      return 0
   selected = selected[args.start:]
   if args.list:
     for c in selected:

@@ -205,3 +205,13 @@ def test_skip_passed_leaves_out_only_what_passed_with_the_same_config(
   assert rings.main(["--list", "--skip-passed", str(path)]) == 0
   listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
   assert listed == [c.name for c in cases[1:]]
+
+
+def test_skip_passed_refuses_a_file_that_is_no_earlier_output(tmp_path, capsys):
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps(dict(rows=[])))
+  for path in (bad, tmp_path / "missing.json"):
+    with pytest.raises(SystemExit) as exit_info:
+      rings.main(["--list", "--skip-passed", str(path)])
+    assert exit_info.value.code == 2
+    assert "not an earlier --out file" in capsys.readouterr().err
