@@ -11,6 +11,15 @@ diagnostics in tools/gpu_multiprocess_diag.sh):
   CM_MP_DIRECT=1         call the kernels directly (`collective_matmul.kernels`
                          at `selection`'s config), past the ops' refusal of a
                          ring that spans processes: to try that path.
+  CM_MP_AUTO=1           what `auto` decides here (the NCCL the processes
+                         loaded, `selection.device_facts`), then a bf16
+                         training step through the drop-in dot_general and
+                         fp8 ops (forward and gradients) under that
+                         decision, CM_MP_CALLS calls (default 24: fresh
+                         operands every 4th, replays in between), each
+                         against XLA's baseline on the same inputs.
+XLA_FLAGS are left as given (XLA's command buffers on by default) unless
+this JAX's kernels are unchecked under them (`prepare_xla_for_kernels`).
 """
 import functools
 import os
@@ -21,10 +30,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 if os.environ.get("CM_MP_NVSHMEM") == "1":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_gpu_experimental_enable_nvshmem=true")
-# XLA's command buffers off, as the kernels need (see
-# collective_matmul.selection.command_buffer_reason).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_gpu_enable_command_buffer=")
+import collective_matmul as cm
+
+cm.prepare_xla_for_kernels()
 import jax
 
 RANK = int(os.environ["RANK"])
@@ -38,8 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
-
-import collective_matmul as cm
 
 print("process", jax.process_index(), "devices", jax.local_devices(),
       "of", jax.devices(), flush=True)
@@ -76,6 +82,10 @@ with jax.set_mesh(mesh):
         lambda x: jax.lax.all_gather(x, "x", tiled=True),
         out_specs=P(None), check_vma=False))
     check("xla_all_gather", f, (a,), rounded(a_full))
+    sys.exit(0)
+  if os.environ.get("CM_MP_AUTO") == "1":
+    import multiprocess_auto  # pylint: disable=g-import-not-at-top
+    multiprocess_auto.run(mesh, rng, int(os.environ.get("CM_MP_CALLS", "24")))
     sys.exit(0)
   direct = os.environ.get("CM_MP_DIRECT") == "1"
   if direct:

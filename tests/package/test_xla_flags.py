@@ -5,26 +5,32 @@ import os
 
 import collective_matmul as cm
 from collective_matmul import selection
+from collective_matmul.selection import applicability
 
 OFF = selection.COMMAND_BUFFER_FLAG
 
 
-def test_prepare_switches_command_buffers_off_and_keeps_other_flags(
+def test_prepare_leaves_xla_flags_on_a_checked_jax(monkeypatch):
+  # XLA's command buffers on (its default) where this JAX's kernels were
+  # checked under capture: the user's XLA_FLAGS stay as they are.
+  monkeypatch.setattr(applicability, "_jax_version", lambda: (0, 12))
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=1")
+  assert cm.prepare_xla_for_kernels()
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_graph_min_graph_size=1"
+
+
+def test_prepare_takes_only_custom_calls_out_on_an_unchecked_jax(
     monkeypatch, rng):
+  monkeypatch.setattr(applicability, "_jax_version", lambda: (0, 10))
   other = f"--xla_force_host_platform_device_count={int(rng.integers(1, 9))}"
-  monkeypatch.setenv("XLA_FLAGS", other)
+  monkeypatch.setenv("XLA_FLAGS", f"{other} {OFF}FUSION,CUSTOM_CALL")
   assert selection.command_buffer_reason("gpu") is not None
   assert cm.prepare_xla_for_kernels()
-  assert os.environ["XLA_FLAGS"].split() == [other, OFF]
-  assert selection.command_buffer_reason("gpu") is None
+  assert os.environ["XLA_FLAGS"].split() == [
+      other, f"{OFF}FUSION,CUSTOM_CALL", f"{OFF}-CUSTOM_CALL"]
+  assert selection.command_buffer_types() == {"FUSION"}
   assert cm.prepare_xla_for_kernels()  # Once only.
-  assert os.environ["XLA_FLAGS"].split() == [other, OFF]
-
-
-def test_prepare_leaves_an_explicit_command_buffer_setting(monkeypatch):
-  monkeypatch.setenv("XLA_FLAGS", f"{OFF}FUSION,CUBLAS")
-  assert not cm.prepare_xla_for_kernels()
-  assert os.environ["XLA_FLAGS"] == f"{OFF}FUSION,CUBLAS"
+  assert os.environ["XLA_FLAGS"].count("-CUSTOM_CALL") == 1
 
 
 def test_the_selection_layer_writes_no_environment():

@@ -3,13 +3,19 @@ runs the drop-in dot_general (all-gather and reduce-scatter patterns) over a
 mesh spanning both processes, and writes what it decided to a JSON file.
 
   python multiprocess_decisions.py PROCESS_ID PORT OUT.json
-(COLLECTIVE_MATMUL_TUNING_CACHE may point at a per-process cache file.)
+(COLLECTIVE_MATMUL_TUNING_CACHE may point at a per-process cache file;
+CM_FAKE_NCCL=X.Y.Z, or "none", stands for the NCCL this process loaded, and
+the file also holds what `auto` decides for a Hopper ring over all 8 devices
+of both processes from the job's NCCL, `selection.job_nccl_version`.)
 """
 import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# Custom calls out of XLA's command buffers: the NCCL rule's decision does
+# not then depend on whether this JAX's kernels are checked under capture.
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                           "--xla_gpu_enable_command_buffer=-CUSTOM_CALL")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # pylint: disable=g-import-not-at-top
@@ -54,6 +60,23 @@ with jax.set_mesh(mesh), cm.config_context(enabled=True, impl="auto"):
 
   y = mlp(x, wi, wo)
 
+fake = os.environ.get("CM_FAKE_NCCL")
+nccl = {}
+if fake:
+  from collective_matmul.enums import Collective  # pylint: disable=g-import-not-at-top
+  from collective_matmul.selection import device as device_lib  # pylint: disable=g-import-not-at-top
+  own = None if fake == "none" else tuple(int(x) for x in fake.split("."))
+  device_lib.loaded_nccl_version = lambda: own
+  device_lib.job_nccl_version.cache_clear()
+  job = device_lib.job_nccl_version()
+  facts = selection.DeviceFacts("gpu", "NVIDIA H100 80GB HBM3", 132,
+                                jax.process_count(), jax.local_device_count(),
+                                job)
+  plan = selection.choose("auto", Collective.ALL_GATHER, selection.Problem(
+      4096, 4096, 4096, np.dtype("bfloat16"), 8), facts)
+  nccl = {"own": own, "job": job, "impl": plan.impl.value,
+          "reason": plan.reason}
+
 reference = np.asarray(jax.nn.gelu(x_host @ wi_host) @ wo_host)
 max_err = max(float(np.max(np.abs(np.asarray(s.data) - reference[s.index])))
               for s in y.addressable_shards)
@@ -62,5 +85,6 @@ with open(out_path, "w") as f:
       "decisions": [str(d) for d in cm.decisions()],
       "config": selection.select_config(256, 512, 1024, "bfloat16", 4).to_json(),
       "max_abs_error": max_err,
+      "nccl": nccl,
   }, f)
 jax.distributed.shutdown()

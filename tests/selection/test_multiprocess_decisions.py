@@ -28,13 +28,15 @@ def _cache_with(path, tile_n):
   return str(path)
 
 
-def _run_two_processes(tmp_path, caches):
+def _run_two_processes(tmp_path, caches, nccl=(None, None)):
   port = str(_free_port())
   procs, outs = [], []
   for pid in range(2):
     out = tmp_path / f"decisions_{pid}.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["COLLECTIVE_MATMUL_TUNING_CACHE"] = caches[pid]
+    if nccl[pid]:
+      env["CM_FAKE_NCCL"] = nccl[pid]
     procs.append(subprocess.Popen(
         [sys.executable, os.path.join(HERE, "multiprocess_decisions.py"),
          str(pid), port, str(out)], env=env, stdout=subprocess.PIPE,
@@ -65,3 +67,24 @@ def test_two_processes_with_different_local_caches_decide_the_same(tmp_path):
   # A per-host cache never changes a choice in a multi-process program.
   assert first["config"] == second["config"]
   assert first["max_abs_error"] < 1e-4 and second["max_abs_error"] < 1e-4
+
+
+@pytest.mark.parametrize("nccl,impl,says", [
+    (("2.32.6", "2.30.7"), "pallas", ""),
+    (("2.32.6", "2.28.9"), "baseline", "NCCL 2.28.9"),
+    (("2.28.9", "2.32.6"), "baseline", "NCCL 2.28.9"),
+    (("2.32.6", "none"), "baseline", "NCCL version unknown"),
+])
+def test_processes_with_different_nccl_decide_from_the_lowest(
+    tmp_path, nccl, impl, says):
+  # One process per GPU: the ring over both processes' devices needs NCCL's
+  # peer pointers on every process; each decides from the job's lowest
+  # version (exchanged through jax.distributed's key-value store).
+  empty = str(tmp_path / "no_cache.json")
+  first, second = _run_two_processes(tmp_path, [empty, empty], nccl)
+  assert first["nccl"]["job"] == second["nccl"]["job"]
+  assert [first["nccl"]["own"], second["nccl"]["own"]] == [
+      None if v == "none" else [int(x) for x in v.split(".")] for v in nccl]
+  assert first["nccl"]["impl"] == second["nccl"]["impl"] == impl
+  assert first["nccl"]["reason"] == second["nccl"]["reason"]
+  assert says in first["nccl"]["reason"]

@@ -30,9 +30,12 @@ from collective_matmul.kernels.schedule import supports_rows_per_batch
 from collective_matmul.plan import KernelPlan
 from collective_matmul.plan import config_label
 from collective_matmul.enums import Collective
+from collective_matmul.selection.applicability import CAPTURE_CHECKED_JAX
 from collective_matmul.selection.applicability import COMMAND_BUFFER_FLAG
+from collective_matmul.selection.applicability import PEER_POINTER_NCCL
 from collective_matmul.selection.applicability import SMALL_BOXES
 from collective_matmul.selection.applicability import command_buffer_reason
+from collective_matmul.selection.applicability import command_buffer_types
 from collective_matmul.selection.applicability import config_reason
 from collective_matmul.selection.applicability import operand_reason
 from collective_matmul.selection.applicability import process_layout_reason
@@ -48,6 +51,8 @@ from collective_matmul.selection.decide import config_for
 from collective_matmul.selection.decide import heuristic_config
 from collective_matmul.selection.device import DeviceFacts
 from collective_matmul.selection.device import HOPPER_DEVICE_KINDS
+from collective_matmul.selection.device import job_nccl_version
+from collective_matmul.selection.device import loaded_nccl_version
 from collective_matmul.selection.device import device_facts
 from collective_matmul.selection.problem import Problem
 from collective_matmul.selection.problem import dtype_label
@@ -99,8 +104,10 @@ __all__ = [
     "is_fp8",
     "padding", "supports_rows_per_batch",
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
-    "COMMAND_BUFFER_FLAG", "SMALL_BOXES", "unsupported_reason",
-    "operand_reason", "config_reason", "command_buffer_reason", "process_layout_reason",
+    "loaded_nccl_version", "job_nccl_version",
+    "COMMAND_BUFFER_FLAG", "CAPTURE_CHECKED_JAX", "PEER_POINTER_NCCL",
+    "SMALL_BOXES", "unsupported_reason", "operand_reason", "config_reason",
+    "command_buffer_reason", "command_buffer_types", "process_layout_reason",
     "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",

@@ -109,30 +109,106 @@ def config_reason(config: configs.TileConfig,
 
 
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="
+# XLA's default `--xla_gpu_enable_command_buffer` set
+# (`DefaultDebugOptionsIgnoringFlags`, the XLA of JAX 0.10-0.12).
+DEFAULT_COMMAND_BUFFER_TYPES = frozenset(
+    {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
+     "DYNAMIC_SLICE_FUSION"})
+# The JAX versions (major, minor) on which the kernels were checked correct
+# with XLA capturing them in CUDA graphs and replaying them (both kernels,
+# bf16 and fp8, forward and backward, virtual ranks and two processes over
+# NCCL's peer path; docs/TUNING.md, "Command buffers").
+CAPTURE_CHECKED_JAX = ((0, 11), (0, 12))
+_FLAG_VALUES = re.compile(r"(?:^|\s)" + re.escape(COMMAND_BUFFER_FLAG) +
+                          r"(\"[^\"]*\"|'[^']*'|\S*)")
+_TYPE_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
-def command_buffer_reason(platform: str,
-                          xla_flags: str | None = None) -> str | None:
+def _apply_command_buffer_value(types: set[str], value: str) -> set[str]:
+  """`types` after one `--xla_gpu_enable_command_buffer=value`, as XLA's
+  repeated-enum flag reads it: empty clears the set; a list of names
+  replaces it; a list of +NAME / -NAME adds to or removes from it; a list
+  that mixes the two is refused (XLA refuses it too)."""
+  if value == "":
+    return set()
+  items = value.split(",")
+  names = [item.strip() for item in items]
+  modifiers = [name for name in names if name[:1] in ("+", "-")]
+  if modifiers and len(modifiers) != len(items):
+    raise ValueError(
+        f"XLA_FLAGS {COMMAND_BUFFER_FLAG}{value}: all values must be "
+        "incremental (+NAME, -NAME) or none of them (XLA's rule)")
+  out = set(types) if modifiers else set()
+  for name in names:
+    if not name:
+      continue
+    op, name = (name[0], name[1:]) if name[0] in "+-" else ("+", name)
+    name = name.upper()
+    if not _TYPE_NAME.fullmatch(name):
+      raise ValueError(
+          f"XLA_FLAGS {COMMAND_BUFFER_FLAG}{value}: {name!r} is no command "
+          "type name (comma-separated names such as FUSION, CUBLAS, "
+          "CUSTOM_CALL; +NAME / -NAME to change XLA's default set; empty "
+          "for none)")
+    if op == "+":
+      out.add(name)
+    else:
+      out.discard(name)
+  return out
+
+
+def command_buffer_types(xla_flags: str | None = None) -> frozenset[str]:
+  """The command types XLA records into CUDA graphs under `xla_flags`
+  (default: XLA_FLAGS of the process environment): XLA's default set
+  changed by each `--xla_gpu_enable_command_buffer=` in order.
+
+  Raises:
+    ValueError: a value XLA would refuse (a mix of +NAME and NAME, or no
+      type name), naming it.
+  """
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  types = set(DEFAULT_COMMAND_BUFFER_TYPES)
+  for value in _FLAG_VALUES.findall(flags):
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+      value = value[1:-1]
+    types = _apply_command_buffer_value(types, value)
+  return frozenset(types)
+
+
+def command_buffer_reason(platform: str, xla_flags: str | None = None,
+                          jax_version: tuple[int, int] | None = None
+                          ) -> str | None:
   """Why XLA's command buffers make the kernels unsafe here, or None.
 
-  XLA on GPU records runs of thunks into CUDA graphs and replays them; a
-  replay reuses what was captured at record time, and the collective
-  kernels then lose their cross-device ordering (wrong gradients from the
-  first replay on; docs/TUNING.md, "Command buffers"). So the kernels run
-  only when XLA_FLAGS switches command buffers off
-  (`--xla_gpu_enable_command_buffer=`, as the MaxText launcher sets it).
+  XLA on GPU records runs of thunks into CUDA graphs and replays them; with
+  CUSTOM_CALL in its set (the default) the kernels are recorded too. They
+  run only where that was checked correct (`CAPTURE_CHECKED_JAX`), or
+  where XLA captures no custom call.
   `xla_flags`: XLA_FLAGS (default: the process environment, the same on
-  every process of a job).
+  every process of a job); `jax_version`: (major, minor), default the
+  running JAX's.
+
+  Raises:
+    ValueError: a malformed `--xla_gpu_enable_command_buffer` value.
   """
   if platform not in ("gpu", "cuda"):
     return None
-  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-  values = re.findall(re.escape(COMMAND_BUFFER_FLAG) + r"(\S*)", flags)
-  if values and values[-1].strip("'\"") == "":
+  if "CUSTOM_CALL" not in command_buffer_types(xla_flags):
     return None
-  return ("XLA command buffers (CUDA graphs) are on, and the kernels give "
-          "wrong results under graph replay: set XLA_FLAGS="
-          f"{COMMAND_BUFFER_FLAG} to use them")
+  version = _jax_version() if jax_version is None else tuple(jax_version)
+  if version in CAPTURE_CHECKED_JAX:
+    return None
+  checked = ", ".join(f"{a}.{b}" for a, b in CAPTURE_CHECKED_JAX)
+  return (f"XLA command buffers (CUDA graphs) capture custom calls, and the "
+          f"kernels under graph capture are checked on JAX {checked} only "
+          f"(this is JAX {version[0]}.{version[1]}): set XLA_FLAGS="
+          f"{COMMAND_BUFFER_FLAG}-CUSTOM_CALL to use them")
+
+
+# The first NCCL whose `ncclGetPeerDevicePointer` gives the kernels their
+# peers' memory across processes (2.28.9 fails with "unhandled system
+# error"; BUILD.md, docs/TUNING.md "Process layout").
+PEER_POINTER_NCCL = (2, 29, 2)
 
 
 def process_layout_reason(problem: Problem,
@@ -141,17 +217,26 @@ def process_layout_reason(problem: Problem,
   processes own them, or None.
 
   With a ring over devices of several processes the kernel reaches its
-  peers through NCCL's `ncclGetPeerDevicePointer`, which fails with NCCL
-  2.28.9 (`unhandled system error` at the first step; BUILD.md). One
-  process owning every device of the ring works.
+  peers through NCCL's `ncclGetPeerDevicePointer`, which works from NCCL
+  `PEER_POINTER_NCCL` on; `device.nccl_version` is the lowest version the
+  job's processes loaded, so every process answers the same. One process
+  owning every device of the ring needs no NCCL peer pointer.
   """
   axis_size = problem.axis_size
-  if device.process_count > 1 and device.local_device_count < axis_size:
-    return (f"the ring over {axis_size} devices spans several processes "
-            f"({device.process_count} processes of "
-            f"{device.local_device_count} devices): that path fails on "
-            "NCCL 2.28.9 (BUILD.md); give each process every GPU of its ring")
-  return None
+  if device.process_count <= 1 or device.local_device_count >= axis_size:
+    return None
+  if device.nccl_version is not None and (
+      device.nccl_version >= PEER_POINTER_NCCL):
+    return None
+  found = ("NCCL version unknown" if device.nccl_version is None
+           else "NCCL " + ".".join(map(str, device.nccl_version)))
+  need = ".".join(map(str, PEER_POINTER_NCCL))
+  return (f"the ring over {axis_size} devices spans several processes "
+          f"({device.process_count} processes of "
+          f"{device.local_device_count} devices), which needs NCCL >= "
+          f"{need} on every process ({found}): pip install "
+          '"nvidia-nccl-cu13>=2.30", or give each process every GPU of its '
+          "ring")
 
 
 class SmallBox(NamedTuple):

@@ -201,8 +201,10 @@ def run() -> None:
     print(f"{_PROGRAM}: {misplaced}", file=sys.stderr)
     sys.exit(2)
   if _kernels_may_run(sys.argv):
-    # Command buffers off: only for runs that may use the kernels, so a
-    # plugin-off run is stock MaxText's program.
+    # XLA_FLAGS stay as the user set them (command buffers on) where this
+    # JAX's kernels are checked under CUDA-graph capture; else custom calls
+    # leave the command buffers, only for runs that may use the kernels, so
+    # a plugin-off run is stock MaxText's program.
     cm.prepare_xla_for_kernels()
   # MaxText's modules define absl flags of their own: import them before
   # absl parses the command line.
