@@ -3,26 +3,30 @@
 # GPU image's JAX 0.11.2 / NCCL 2.28.9, checked on one GPU.
 #
 # Here (the project root), once per session: fetch the wheels and split them
-# into device calls (the transfer takes 64 MiB a call):
+# into device calls (the transfer takes 64 MiB a call), JAX's four wheels
+# as .carryj1-4 and NCCL's as .carryn1-4:
 #   bash tools/gpu_installed_setup.sh parts
 # It prints the calls to make back to back (each within 30 s of the last
-# reply); the last one joins the parts into $HOME/carry_site there. Then,
-# on the GPU machine (repo root), with the machine still warm:
+# reply); the last of a set joins its parts into $HOME/carry_site there
+# (`bash .carryj4/join.sh $HOME/carry_site`; JAX's set first: its checks
+# need no NCCL 2.32). Then, on the GPU machine (repo root), while warm:
 #   bash tools/gpu_installed_setup.sh STEP OUTDIR [STEP ...]
 # OUTDIR ends as OUTDIR.tgz (logs, JSON; XLA dumps left out, their
-# summaries in the logs, one optimized module kept as hlo_*.txt).
+# summaries in the logs, one thunk sequence with a kernel inside a command
+# buffer kept per dump as thunks_*.txt).
 # Steps (each under its own timeout, its log in OUTDIR):
 #   facts         both JAX's versions, devices, the NCCL each loads
 #   cb_012 cb_011 tools/command_buffer_check.py under XLA's default flags
 #                 (command buffers on), XLA dump kept as proof of capture,
 #                 on JAX 0.12 / the image's JAX 0.11.2
 #   cb_off_012    the same with command buffers off (the control)
+#   cb_small_012 cb_small_011  the same with --xla_gpu_graph_min_graph_size=1
 #   mp_012 mp_011 two processes on GPU 0 (NCCL_MULTI_RANK_GPU_ENABLE=1) with
 #                 NCCL 2.32 (0.11.2: preloaded): tests/gpu/multiprocess_check.py
 #                 CM_MP_AUTO=1 under default flags
 #   mp_image      the image's JAX 0.11.2 and NCCL 2.28.9 under `auto`: the
 #                 ring must be refused (baseline), not hang
-#   step_cb       the reference host's llama3-8b (2 layers, 2 x 4096 tokens)
+#   step_cb_012 step_cb_011  the reference host's llama3-8b (2 layers, 2 x 4096 tokens)
 #                 training step, plugin on, command buffers on / off / on
 #   tests_d1_012  tests/gpu at D = 1 (but the rings' harness) on JAX 0.12
 #   core_012 core_011  bench_gemm_core.py at $CORE_SHAPES (default: its ten)
@@ -35,7 +39,8 @@ if [ "${1:-}" = parts ]; then
     jax==0.12.0.1 jaxlib==0.12.0.1 jax-cuda13-plugin==0.12.0.1 \
     jax-cuda13-pjrt==0.12.0.1 nvidia-nccl-cu13==2.32.6
   grep -q '^/.carry\*/$' .git/info/exclude 2>/dev/null || echo '/.carry*/' >> .git/info/exclude
-  exec python3 ../shared/tools/split_carry.py /tmp/wheels/*.whl
+  python3 ../shared/tools/split_carry.py --prefix .carryj /tmp/wheels/jax*.whl
+  exec python3 ../shared/tools/split_carry.py --prefix .carryn /tmp/wheels/nvidia_nccl*.whl
 fi
 step_list=(); out=""
 for arg in "$@"; do
@@ -46,8 +51,13 @@ site=$HOME/carry_site
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 base_path=plugin:host:tests:tools
 nccl012=$site/nvidia/nccl/lib/libnccl.so.2
-j012() { env PYTHONPATH=$site:$base_path "$@"; }
-j011() { env PYTHONPATH=$base_path "$@"; }
+# Runners (files, so that timeout can run them): JAX 0.12 from the carried
+# site, or the image's JAX 0.11.2.
+printf '#!/bin/sh\nexec env PYTHONPATH=%s "$@"\n' "$site:$base_path" > /tmp/j012
+printf '#!/bin/sh\nexec env PYTHONPATH=%s "$@"\n' "$base_path" > /tmp/j011
+chmod +x /tmp/j012 /tmp/j011
+j012() { /tmp/j012 "$@"; }
+j011() { /tmp/j011 "$@"; }
 run_step() {  # name, timeout, command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -62,7 +72,7 @@ two_ranks() {  # name, jax runner (j012|j011), env assignments...
   for r in 0 1; do
     $runner env RANK=$r CM_MP_PORT=$port CM_MP_DEVICES=visible CUDA_VISIBLE_DEVICES=0 \
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 CM_MP_AUTO=1 \
-      XLA_FLAGS="--xla_dump_to=$out/dumps/$name.$r --xla_dump_hlo_as_text" "$@" \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/dumps/$name.$r --xla_dump_hlo_as_text" "$@" \
       timeout 240 python3 tests/gpu/multiprocess_check.py > "$out/$name.$r.log" 2>&1 &
   done
   wait
@@ -94,25 +104,28 @@ d = jax.devices()
 print('$runner', 'jax', jax.__version__, d[0].device_kind, 'nccl loaded', s.loaded_nccl_version(), 'command buffers', sorted(s.command_buffer_types()), 'reason', s.command_buffer_reason('gpu'))
 " 2>&1 | grep -v "^W\|^I" | tail -2
       done;;
-    cb_012|cb_011|cb_off_012)
-      runner=j${step##*_}; flags=""
+    cb_012|cb_011|cb_off_012|cb_small_012|cb_small_011)
+      runner=/tmp/j${step##*_}; flags=""
       [ "$step" = cb_off_012 ] && flags="--xla_gpu_enable_command_buffer="
+      # Every run of capturable thunks a graph, however short.
+      [[ "$step" = cb_small_* ]] && flags="--xla_gpu_graph_min_graph_size=1"
       XLA_FLAGS="$flags" run_step "$step" 240 $runner python3 tools/command_buffer_check.py \
         --out "$out/$step.json" --dump "$out/dumps/$step"
       grep -E "^(virtual|ops|fp8|mutation|capture|SUMMARY)" "$out/$step.log" | cut -c1-200;;
     mp_012) two_ranks mp_012 j012 NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN;;
     mp_011) two_ranks mp_011 j011 NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN LD_PRELOAD=$nccl012;;
     mp_image) two_ranks mp_image j011 NCCL_DEBUG=WARN;;
-    step_cb)
-      step_run step_cb_on_1 j012 ""
-      step_run step_cb_off j012 "--xla_gpu_enable_command_buffer="
-      step_run step_cb_on_2 j012 "";;
+    step_cb_012|step_cb_011)
+      runner=/tmp/j${step##*_}
+      step_run "${step}_on_1" $runner ""
+      step_run "${step}_off" $runner "--xla_gpu_enable_command_buffer="
+      step_run "${step}_on_2" $runner "";;
     tests_d1_012)
-      run_step tests_d1_012 480 j012 python3 -m pytest -q -p no:cacheprovider tests/gpu \
+      run_step tests_d1_012 480 /tmp/j012 python3 -m pytest -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_rings_one_gpu.py
       tail -1 "$out/tests_d1_012.log";;
     core_012|core_011)
-      runner=j${step##*_}; mkdir -p "$out/$step"
+      runner=/tmp/j${step##*_}; mkdir -p "$out/$step"
       read -r -a shapes <<< "${CORE_SHAPES:-$(python3 -c \
         'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.SHAPES)')}"
       for shape in "${shapes[@]}"; do
@@ -122,7 +135,7 @@ print('$runner', 'jax', jax.__version__, d[0].device_kind, 'nccl loaded', s.load
         grep -h "medians" "$out/$name.log"
       done;;
     rings_012)
-      run_step rings_012 "${TIMEOUT_rings:-540}" j012 python3 tools/rings_one_gpu.py --hang-s 20 \
+      run_step rings_012 "${TIMEOUT_rings:-540}" /tmp/j012 python3 tools/rings_one_gpu.py --hang-s 20 \
         --budget-s $(( ${TIMEOUT_rings:-540} - 60 )) --out "$out/rings_012.json" ${RINGS_ARGS:-}
       tail -3 "$out/rings_012.log";;
     *) echo "unknown step '$step' (see the header of $0)"; exit 2;;
@@ -131,7 +144,7 @@ done
 # One optimized module with a kernel inside a command buffer, as kept proof.
 for d in "$out"/dumps/*; do
   [ -d "$d" ] || continue
-  f=$(grep -l 'custom_call_target="mosaic_gpu' "$d"/*after_optimizations.txt 2>/dev/null | head -1)
-  [ -n "$f" ] && grep -q "command_buffer" "$f" && cp "$f" "$out/hlo_$(basename "$d").txt"
+  f=$(grep -l "kCommandBuffer" "$d"/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && cp "$f" "$out/thunks_$(basename "$d").txt"
 done
 tar czf "$out.tgz" -C "$(dirname "$out")" --exclude=dumps "$(basename "$out")"

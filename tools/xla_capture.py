@@ -1,64 +1,73 @@
-"""Which Mosaic GPU kernels XLA put inside command buffers (CUDA graphs),
-read from an XLA dump (`--xla_dump_to=DIR --xla_dump_hlo_as_text`).
+"""Which kernels XLA put inside command buffers (CUDA graphs), read from
+an XLA dump (`--xla_dump_to=DIR`).
 
-XLA's command-buffer scheduling pass moves each run of capturable
-instructions into a computation named `command_buffer...`, called from the
-schedule; a `custom_call_target="mosaic_gpu..."` inside one is a kernel XLA
-records into a CUDA graph and replays. Plain text, no JAX: the GPU scripts
-and their CPU tests share it.
+XLA converts runs of capturable thunks into `kCommandBuffer` thunks after
+compiling (`CommandBufferConversionPass`) and dumps the result as
+`*thunk_sequence_after_thunk_passes.txt` (only `*thunk_sequence.txt` when
+it formed none): one line per thunk, `<indent><index>: <kind> ...`, the
+thunks a command buffer records indented under it. A `kCustomCall` thunk
+there is a custom call (the Mosaic GPU kernels; cuBLAS has thunks of its
+own) that XLA records into a CUDA graph and replays. Plain text, no JAX:
+the GPU scripts and their CPU tests share it.
 """
 from __future__ import annotations
 
 import os
 import re
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_MOSAIC = re.compile(r'custom_call_target="mosaic_gpu[\w]*"')
+_THUNK = re.compile(r"^(\s*)(\d+): (\w+)")
 
 
-def computations(hlo_text: str) -> dict[str, str]:
-  """{computation name: its body} of an HLO module's text."""
-  out, name, body = {}, None, []
-  for line in hlo_text.splitlines():
-    if name is None:
-      match = _HEADER.match(line)
-      if match and not line.startswith(" "):
-        name, body = match.group(1), []
-      continue
-    if line.startswith("}"):
-      out[name] = "\n".join(body)
-      name = None
-    else:
-      body.append(line)
-  return out
-
-
-def captured_kernels(hlo_text: str) -> tuple[int, int]:
-  """(Mosaic GPU custom calls inside command-buffer computations, those
-  outside) of one module's optimized HLO."""
+def thunk_capture(thunk_text: str, kind: str = "kCustomCall"
+                  ) -> tuple[int, int]:
+  """(thunks of `kind` inside command buffers, those outside) of one
+  module's thunk sequence dump."""
   inside = outside = 0
-  for name, body in computations(hlo_text).items():
-    count = len(_MOSAIC.findall(body))
-    if name.startswith("command_buffer"):
-      inside += count
-    else:
-      outside += count
+  in_command_buffer = False
+  for line in thunk_text.splitlines():
+    match = _THUNK.match(line)
+    if not match:
+      continue
+    indent, _, thunk_kind = match.groups()
+    if not indent:
+      in_command_buffer = thunk_kind.startswith("kCommandBuffer")
+    if thunk_kind.startswith(kind):
+      if in_command_buffer:
+        inside += 1
+      else:
+        outside += 1
   return inside, outside
 
 
+_MOSAIC = re.compile(r'custom_call_target="mosaic_gpu\w*"')
+_OPTIMIZED = "_after_optimizations.txt"
+_THUNKS = ".thunk_sequence_after_thunk_passes.txt"
+
+
 def dump_summary(dump_dir: str, module_filter: str = "") -> dict[str, list]:
-  """{module file: [kernels inside command buffers, outside]} over the
-  dump's optimized modules (`*after_optimizations.txt`) whose name holds
-  `module_filter` and that call a Mosaic GPU kernel."""
+  """{module: [custom-call thunks inside command buffers, outside]} over
+  the dump's modules whose name holds `module_filter` and whose optimized
+  HLO calls a Mosaic GPU kernel (a module without the thunk passes' dump
+  formed no command buffer: its kernels all count as outside)."""
   out = {}
   if not os.path.isdir(dump_dir):
     return out
-  for file in sorted(os.listdir(dump_dir)):
-    if not file.endswith("after_optimizations.txt") or (
-        module_filter not in file):
+  files = set(os.listdir(dump_dir))
+  for file in sorted(files):
+    if not file.endswith(_OPTIMIZED) or module_filter not in file:
       continue
+    module = file[:-len(_OPTIMIZED)]
     with open(os.path.join(dump_dir, file)) as f:
-      inside, outside = captured_kernels(f.read())
-    if inside or outside:
-      out[file] = [inside, outside]
+      kernels = len(_MOSAIC.findall(f.read()))
+    if not kernels:
+      continue
+    # The thunk dumps drop the HLO file's platform suffix.
+    base = module.rsplit(".sm_", 1)[0]
+    thunks = next((name for name in (base + _THUNKS, module + _THUNKS)
+                   if name in files), None)
+    if thunks is None:
+      out[module] = [0, kernels]
+      continue
+    with open(os.path.join(dump_dir, thunks)) as f:
+      out[module] = list(thunk_capture(f.read()))
   return out

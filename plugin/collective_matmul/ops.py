@@ -87,7 +87,7 @@ def _plan(collective: Collective, x, w, axis, axis_name, impl,
     raise ValueError(
         "impl='pallas' runs the Hopper (sm_90a: H100, H200) kernel on "
         "bf16 or f16 operands, or fp8 (e4m3 x e4m3, e5m2 x e4m3) with a "
-        "bf16 or f32 result, with XLA's command buffers off; here: "
+        "bf16 or f32 result; here: "
         f"{chosen.reason.removeprefix('pallas unavailable: ')}. Use "
         "impl='ring' (any backend) or 'baseline'.")
   if backward_impl is None or backward_impl == chosen.backward_impl:

@@ -87,15 +87,18 @@ def test_pallas_says_what_hardware_and_dtype_it_needs(op, in_specs, dtype):
     jax.jit(fn)(x, w)
 
 
-def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
-  """The kernels give wrong results under CUDA-graph replay
-  (benchmarks/maxtext_h200x2/): an explicit impl='pallas' says so, on a machine
-  that otherwise could run it."""
+def test_pallas_is_refused_where_unchecked_command_buffers_capture_it(
+    monkeypatch):
+  """On a JAX whose kernels were not checked under CUDA-graph capture, an
+  explicit impl='pallas' with custom calls in XLA's command buffers says so,
+  on a machine that otherwise could run it."""
   from collective_matmul import ops
   from collective_matmul import selection
   from collective_matmul.enums import Collective
+  from collective_matmul.selection import applicability
   hopper = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
   monkeypatch.setattr(selection, "device_facts", lambda mesh=None: hopper)
+  monkeypatch.setattr(applicability, "_jax_version", lambda: (0, 10))
   mesh = mesh_1d(2, axis_type=jax.sharding.AxisType.Auto)
   operands = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),) * 2
 
@@ -106,10 +109,10 @@ def test_pallas_is_refused_while_xla_command_buffers_are_on(monkeypatch):
         out_specs=P("x", None)), *operands)
 
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  with pytest.raises(ValueError, match="command buffers.*"
-                     "--xla_gpu_enable_command_buffer="):
+  with pytest.raises(ValueError, match="command buffers.*JAX 0.10.*"
+                     "--xla_gpu_enable_command_buffer=-CUSTOM_CALL"):
     trace(lambda a, b: cm.all_gather_matmul(a, b, "x", impl="pallas"))
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=-CUSTOM_CALL")
   plans = []
 
   def plan_only(a, b):

@@ -119,17 +119,17 @@ def test_the_mapped_libnccl_is_found_in_proc_maps(tmp_path):
       "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
       "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
       "7f04-7f05 rw-p 00000000 00:00 0 \n")
-  assert device_lib._mapped_nccl(str(maps)) == (  # pylint: disable=protected-access
-      "/site/nvidia/nccl/lib/libnccl.so.2")
+  assert device_lib._mapped_nccl(str(maps)) == [  # pylint: disable=protected-access
+      "/site/nvidia/nccl/lib/libnccl.so.2"]
   maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
-  assert device_lib._mapped_nccl(str(maps)) is None  # pylint: disable=protected-access
-  assert device_lib._mapped_nccl(str(tmp_path / "none")) is None  # pylint: disable=protected-access
+  assert device_lib._mapped_nccl(str(maps)) == []  # pylint: disable=protected-access
+  assert device_lib._mapped_nccl(str(tmp_path / "none")) == []  # pylint: disable=protected-access
 
 
 def test_an_unloadable_or_odd_nccl_reads_as_unknown(monkeypatch, tmp_path):
   fake = tmp_path / "libnccl.so.2"
   fake.write_bytes(b"not a library")
-  monkeypatch.setattr(device_lib, "_mapped_nccl", lambda: str(fake))
+  monkeypatch.setattr(device_lib, "_mapped_nccl", lambda: [str(fake)])
   device_lib.loaded_nccl_version.cache_clear()
   try:
     assert device_lib.loaded_nccl_version() is None
@@ -150,3 +150,33 @@ def test_no_nccl_loaded_on_the_cpu_backend():
   assert device_lib.loaded_nccl_version() is None
   facts = selection.device_facts()
   assert facts.nccl_version is None
+
+
+class _FakeNccl:
+  def __init__(self, code):
+    self.code = code
+
+  def ncclGetVersion(self, out):  # pylint: disable=invalid-name
+    out._obj.value = self.code  # pylint: disable=protected-access
+    return 0
+
+
+@pytest.mark.parametrize("first,expected", [
+    (23206, (2, 32, 6)),   # The preloaded copy binds first: it counts.
+    (None, (2, 28, 9)),    # None resolves globally: the lowest.
+])
+def test_two_mapped_copies_read_as_the_one_bound_first(
+    monkeypatch, first, expected):
+  copies = {"/image/libnccl.so.2": 22809, "/site/libnccl.so.2": 23206}
+  monkeypatch.setattr(device_lib, "_mapped_nccl", lambda: list(copies))
+
+  def cdll(path):
+    if path is None:
+      return _FakeNccl(first) if first else object()
+    return _FakeNccl(copies[path])
+  monkeypatch.setattr(ctypes, "CDLL", cdll)
+  device_lib.loaded_nccl_version.cache_clear()
+  try:
+    assert device_lib.loaded_nccl_version() == expected
+  finally:
+    device_lib.loaded_nccl_version.cache_clear()

@@ -63,35 +63,58 @@ def _decode_nccl_version(code: int) -> tuple[int, int, int]:
   return code // 1000, code // 100 % 10, code % 100
 
 
-def _mapped_nccl(maps_path: str = "/proc/self/maps") -> str | None:
-  """The path of the libnccl this process has mapped (the one XLA loaded),
-  or None."""
+def _mapped_nccl(maps_path: str = "/proc/self/maps") -> list[str]:
+  """The paths of the libnccl copies this process has mapped, in order."""
+  paths = []
   try:
     with open(maps_path) as maps:
       for line in maps:
         path = line.rstrip("\n").split(maxsplit=5)[-1]
-        if os.path.basename(path).startswith("libnccl.so"):
-          return path
+        if os.path.basename(path).startswith("libnccl.so") and (
+            path not in paths):
+          paths.append(path)
   except OSError:
     pass
-  return None
+  return paths
+
+
+def _nccl_version_of(library) -> tuple[int, int, int] | None:
+  try:
+    version = ctypes.c_int()
+    if library.ncclGetVersion(ctypes.byref(version)) != 0:
+      return None
+  except AttributeError:
+    return None
+  return _decode_nccl_version(version.value)
 
 
 @functools.cache
 def loaded_nccl_version() -> tuple[int, int, int] | None:
   """(major, minor, patch) of the NCCL library loaded in this process (what
   XLA's collectives and the kernels' peer pointers use, not a package's
-  metadata), or None when none is loaded or it cannot be asked."""
-  path = _mapped_nccl()
-  if path is None:
+  metadata), or None when none is loaded or it cannot be asked.
+
+  Where several copies are mapped (an LD_PRELOAD'ed libnccl beside the one
+  JAX loads from its package), the one the dynamic linker resolves
+  `ncclGetVersion` to first (the preloaded one, which XLA's references bind
+  to); where none resolves so, the lowest.
+  """
+  versions = []
+  for path in _mapped_nccl():
+    try:
+      versions.append(_nccl_version_of(ctypes.CDLL(path)))
+    except OSError:
+      versions.append(None)
+  known = {version for version in versions if version is not None}
+  if not known:
     return None
+  if len(known) == 1:
+    return known.pop()
   try:
-    version = ctypes.c_int()
-    if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(version)) != 0:
-      return None
-  except (OSError, AttributeError):
-    return None
-  return _decode_nccl_version(version.value)
+    first = _nccl_version_of(ctypes.CDLL(None))
+  except OSError:
+    first = None
+  return first if first in known else min(known)
 
 
 # How long a process waits for the others' NCCL versions (they publish
