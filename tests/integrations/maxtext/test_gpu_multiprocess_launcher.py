@@ -52,6 +52,21 @@ def _parse(version):
   return None if version == "none" else [int(x) for x in version.split(".")]
 
 
+def _summary(log):
+  """The launcher's end-of-run summary in `log` (its lines; other output,
+  e.g. a log line on stderr, skipped)."""
+  lines = log.splitlines()
+  start = next(i for i, line in enumerate(lines)
+               if line.startswith("collective matmul summary ("))
+  summary = []
+  for line in lines[start + 1:]:
+    if line.startswith("  "):
+      summary.append(line)
+      if line.startswith("  plugin "):
+        break
+  return summary
+
+
 def _job(name, nccl):
   """Runs the 2-process job, process i with fake NCCL nccl[i]; returns
   (what each process wrote, each one's stderr)."""
@@ -137,6 +152,11 @@ def test_gpu_multiprocess_processes_decide_the_same_from_the_jobs_nccl(
   # projection (and said why in the same words).
   assert first["decisions"] == second["decisions"]
   decisions = first["decisions"]
+  # And what each printed at the end says so.
+  summary = _summary(logs[0])
+  assert summary == _summary(logs[1])
+  assert summary[0] == "  rewritten: 8 of 8 projections"
+  assert ("NCCL 2.28.9" in "\n".join(summary)) == names_nccl
   assert [d.split(" ")[0] for d in decisions] == list(PROJECTIONS)
   # Both decided from the job's lowest NCCL, not their own.
   job = min(_parse(v) for v in nccl)
