@@ -94,6 +94,9 @@ def _job(name, nccl):
   try:
     for pid in range(2):
       env = dict(base_env, JAX_PLATFORMS="cpu",
+                 # JAX 0.12's default, said here: the CPU collectives
+                 # across processes.
+                 JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                  XLA_FLAGS="--xla_force_host_platform_device_count=2",
                  TF_CPP_MIN_LOG_LEVEL="2", SLURM_JOB_ID="4242",
                  SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
