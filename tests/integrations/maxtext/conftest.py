@@ -11,6 +11,15 @@ import pytest
 
 _HAVE_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 
+# The MaxText runs are subprocesses in their own directories: a relative
+# PYTHONPATH (`PYTHONPATH=plugin:host` from the checkout) would find nothing
+# there and they would import whatever collective_matmul is installed (e.g.
+# another checkout's, editable) instead of this one's. Absolute from here on.
+if os.environ.get("PYTHONPATH"):
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      os.path.abspath(p) for p in os.environ["PYTHONPATH"].split(os.pathsep)
+      if p)
+
 
 def pytest_collection_modifyitems(config, items):
   del config
