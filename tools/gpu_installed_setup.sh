@@ -18,7 +18,7 @@
 #   facts         both JAX's versions, devices, the NCCL each loads
 #   cb_012 cb_011 tools/command_buffer_check.py under XLA's default flags
 #                 (command buffers on), XLA dump kept as proof of capture,
-#                 on JAX 0.12 / the image's JAX 0.11.2
+#                 on JAX 0.12 / the image's JAX 0.11.2 ($CB_ARGS appended)
 #   cb_off_012    the same with command buffers off (the control)
 #   cb_small_012 cb_small_011  the same with --xla_gpu_graph_min_graph_size=1
 #   mp_012 mp_011 two processes on GPU 0 (NCCL_MULTI_RANK_GPU_ENABLE=1) with
@@ -28,6 +28,7 @@
 #                 ring must be refused (baseline), not hang
 #   step_cb_012 step_cb_011  the reference host's llama3-8b (2 layers, 2 x 4096 tokens)
 #                 training step, plugin on, command buffers on / off / on
+#                 ($STEPS steps each, default 30)
 #   tests_d1_012  tests/gpu at D = 1 (but the rings' harness) on JAX 0.12
 #   core_012 core_011  bench_gemm_core.py at $CORE_SHAPES (default: its ten)
 #   rings_012     tools/rings_one_gpu.py on JAX 0.12 ($RINGS_ARGS)
@@ -88,7 +89,7 @@ step_run() {  # name, runner, XLA_FLAGS, model args... (plugin on)
   local name=$1 runner=$2 flags=$3; shift 3
   $runner env XLA_FLAGS="$flags" timeout 300 python3 scripts/train.py \
     model_configs/base.yml model_name=llama3-8b base_num_decoder_layers=2 \
-    max_target_length=4096 per_device_batch_size=2 steps=30 \
+    max_target_length=4096 per_device_batch_size=2 steps="${STEPS:-30}" \
     enable_checkpointing=False --use_collective_matmul \
     base_output_directory="$out" run_name="$name" > "$out/$name.log" 2>&1
   echo "== $name: $(grep -h "median step time" "$out/$name.log" | tail -1)"
@@ -110,7 +111,7 @@ print('$runner', 'jax', jax.__version__, d[0].device_kind, 'nccl loaded', s.load
       # Every run of capturable thunks a graph, however short.
       [[ "$step" = cb_small_* ]] && flags="--xla_gpu_graph_min_graph_size=1"
       XLA_FLAGS="$flags" run_step "$step" 240 $runner python3 tools/command_buffer_check.py \
-        --out "$out/$step.json" --dump "$out/dumps/$step"
+        --out "$out/$step.json" --dump "$out/dumps/$step" ${CB_ARGS:-}
       grep -E "^(virtual|ops|fp8|mutation|capture|SUMMARY)" "$out/$step.log" | cut -c1-200;;
     mp_012) two_ranks mp_012 j012 NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN;;
     mp_011) two_ranks mp_011 j011 NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN LD_PRELOAD=$nccl012;;
