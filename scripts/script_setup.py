@@ -29,8 +29,9 @@ def prepare():
       arg.partition("=")[0].lstrip("-") in ("verbosity", "v")
       for arg in sys.argv[1:]):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-  # XLA's command buffers off, so the Hopper kernels may run; both arms of
-  # the A/B run with the same XLA_FLAGS.
+  # XLA_FLAGS the Hopper kernels may run under (left as they are on a JAX
+  # whose kernels are checked under CUDA-graph capture); both arms of the
+  # A/B run with the same XLA_FLAGS.
   import collective_matmul  # pylint: disable=g-import-not-at-top
   collective_matmul.prepare_xla_for_kernels()
 

@@ -13,9 +13,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
 
-# The GPU suite runs the Hopper kernels through the drop-in dot_general,
-# which uses them only with XLA's command buffers off (see
-# collective_matmul.selection.command_buffer_reason).
+# XLA's command buffers off: the decisions the tests pin do not then depend
+# on whether this JAX's kernels are checked under CUDA-graph capture
+# (collective_matmul.selection.command_buffer_reason; on Python 3.11's JAX
+# 0.10 they are not). tools/command_buffer_check.py checks the kernels
+# with them on.
 if "--xla_gpu_enable_command_buffer=" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_enable_command_buffer="
 

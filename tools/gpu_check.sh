@@ -27,8 +27,8 @@ set -u
 out=${1:?usage: gpu_check.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
 export PYTHONPATH=plugin:host:tests NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# XLA command buffers off: the kernels are wrong under CUDA-graph replay
-# (collective_matmul.selection.command_buffer_reason).
+# XLA command buffers off, as the suite ran before: the checks under them
+# are tools/command_buffer_check.py's (tools/gpu_installed_setup.sh).
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv \
   > "$out/gpu_info.txt" 2>&1

@@ -1,6 +1,7 @@
 """What the GPU tools do before importing JAX: the user scripts' setup
 (scripts/script_setup.py: the packages from the checkout until installed,
-8 emulated CPU devices, XLA's command buffers off), imported first by them."""
+8 emulated CPU devices, XLA_FLAGS the kernels may run under), imported
+first by them."""
 import os
 import sys
 

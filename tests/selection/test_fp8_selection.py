@@ -36,7 +36,7 @@ SHAPES = [((4096, 4096, 2048), 2), ((1024, 4096, 3584), 4),
 
 @pytest.fixture(autouse=True)
 def _command_buffers_off_no_cache(monkeypatch, tmp_path):
-  """The kernels run only with XLA's command buffers off; no per-host
+  """XLA command buffers off (a decision independent of this JAX); no per-host
   autotune cache unless a test writes one."""
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
   monkeypatch.setenv("COLLECTIVE_MATMUL_TUNING_CACHE",

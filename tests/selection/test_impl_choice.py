@@ -30,7 +30,8 @@ class _Mesh:
 
 @pytest.fixture(autouse=True)
 def _command_buffers_off(monkeypatch):
-  """The kernels run only with XLA's command buffers off (see
+  """XLA command buffers off, so the decision does not depend on whether
+  this JAX is checked under them (see
   selection.command_buffer_reason); tests of that rule set XLA_FLAGS again."""
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
 
