@@ -45,8 +45,10 @@ class CollectiveMatmulConfig:
       Impl.AUTO, "collective_matmul_impl",
       "`auto`: the Hopper kernel where it applies and pays off; else XLA's "
       "collective + GEMM (NCCL + cuBLAS) on a Hopper GPU where the kernel "
-      "may not run (command buffers on, a ring across processes, the "
-      "reduce-scatter kernel off) or the problem is too small to overlap; "
+      "may not run (custom calls in XLA's command buffers on a JAX where "
+      "that is unchecked, a ring across processes with NCCL older than "
+      "2.29.2, the reduce-scatter kernel off) or the problem is too small to "
+      "overlap; "
       "else (off Hopper) `fallback_impl`. `pallas`, `ring`, `baseline` force "
       "one: the Hopper kernel, the portable ppermute ring, or XLA's "
       "collective then one dot.")
