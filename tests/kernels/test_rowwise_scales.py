@@ -17,7 +17,7 @@ before the cast: `(a @ b) * scale * row[:, None] * col[None, :]`.
   NaN), scales random and non-uniform; two mis-indexed epilogues (row
   scales along columns, every tile reading the first tile's scales) fail
   the same check.
-The rings (D >= 2) run on a GPU: `tools/rings_one_gpu.py --only rowwise`.
+The rings (D >= 2) run on a GPU: `tools/rings_one_gpu.py --only /rowwise/`.
 """
 import functools
 import re
