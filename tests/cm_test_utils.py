@@ -129,6 +129,26 @@ def mesh_2d(shape, axis_type=AxisType.Explicit):
                        axis_types=(axis_type, axis_type))
 
 
+def needs_interpret_mode():
+  """A skip mark for tests that run the kernels in Mosaic GPU's interpret
+  mode on CPU (JAX >= 0.12). Pallas is imported only here, when a test
+  module asks."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  plgpu = importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+  return pytest.mark.skipif(not hasattr(plgpu, "force_gpu_interpret_mode"),
+                            reason="Mosaic GPU interpret mode needs JAX >= "
+                            "0.12")
+
+
+# Interpreted kernels: products summed in f32 and rounded once to bf16
+# (~1.6e-3 relative, in the norm).
+INTERPRET_TOLERANCE = 5e-3
+# Small warpgroup tiles (a 128 x 64 CTA tile), so that the interpreter runs
+# several tiles and k steps fast.
+INTERPRET_TILES = dict(tile_m=64, tile_n=64, wg_dimension="m", epi_tile_m=64,
+                       epi_tile_n=64, max_concurrent_steps=2)
+
+
 def normal(key, shape, dtype):
   return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
 

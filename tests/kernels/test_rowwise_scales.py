@@ -35,7 +35,10 @@ from collective_matmul.kernels import configs
 from collective_matmul.kernels import peers
 from collective_matmul.kernels import ring_skeleton
 
+from cm_test_utils import INTERPRET_TILES as SMALL
+from cm_test_utils import INTERPRET_TOLERANCE as TOLERANCE
 from cm_test_utils import mesh_1d
+from cm_test_utils import needs_interpret_mode
 from cm_test_utils import normal
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -324,24 +327,7 @@ def test_virtual_ranks_with_scale_vectors_lower_for_cuda(collective):
 # --------------------------------------------------- Mosaic GPU interpreter
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-interpret_mode = pytest.mark.skipif(
-    not hasattr(plgpu, "force_gpu_interpret_mode"),
-    reason="Mosaic GPU interpret mode needs JAX >= 0.12")
-# Products summed in f32 and rounded once to bf16 (~1.6e-3 relative).
-TOLERANCE = 5e-3
-# Small square warpgroup tiles (CTA 128 x 64), so the interpreter runs
-# several tiles and k steps fast.
-SMALL = dict(tile_m=64, tile_n=64, wg_dimension="m", epi_tile_m=64,
-             epi_tile_n=64, max_concurrent_steps=2)
-
-
-@pytest.fixture
-def _fresh_interpreter():
-  """After a kernel raised, the interpreter must be reset before it runs
-  another one (`InterpretGPUParams`' docstring)."""
-  yield
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # pylint: disable=g-import-not-at-top
-  gpu_callbacks.reset_gpu_interpret_mode_state()
+interpret_mode = needs_interpret_mode()
 
 
 def _draw(keys, collective, m, k, n, lhs_dtype, scales):
@@ -409,7 +395,7 @@ INTERPRETED = [("all_gather", E4M3), ("reduce_scatter", E5M2)]
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("scales", [("row_scale",), ("col_scale",),
                                     ("row_scale", "col_scale", "scale")],
                          ids=["row", "col", "both_and_scalar"])
@@ -424,7 +410,7 @@ def test_fp8_scales_run_in_interpret_mode(collective, lhs_dtype, scales,
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_bf16_operands_take_the_scales_too(collective, keys):
   """The default 128 x 128 warpgroup tiles (split along n: the column
@@ -435,7 +421,7 @@ def test_bf16_operands_take_the_scales_too(collective, keys):
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("collective,config,m,n", [
     ("all_gather", AG(tile_k=128, **PINGPONG_ONE_SLOT), 384, 640),
     ("reduce_scatter", RS(tile_k=128, **PINGPONG_ONE_SLOT), 384, 640),
@@ -470,7 +456,7 @@ def _first_tile_only(real):
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("mutation", [_rows_along_columns, _first_tile_only],
                          ids=["rows_along_columns", "first_tile_only"])
 def test_a_mis_indexed_scale_fails_the_check(mutation, keys, monkeypatch):

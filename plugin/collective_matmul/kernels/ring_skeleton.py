@@ -70,7 +70,6 @@ def check_scale(scale):
 
 def check_vector_scales(row_scale, col_scale, *, rows: int | None = None,
                         cols: int | None = None, out_dtype=None, lead=(),
-                        names=("row_scale", "col_scale"),
                         row_meaning="row", col_meaning="column"):
   """The per-row and per-column scales of a product: None, or float32
   vectors of `rows` and `cols` entries (with virtual ranks `lead`, `(D,)`,
@@ -79,8 +78,8 @@ def check_vector_scales(row_scale, col_scale, *, rows: int | None = None,
   operands' checks, so the message names the scale), then with the sizes
   once the operands are checked."""
   given = [(value, size, name, meaning) for value, size, name, meaning in (
-      (row_scale, rows, names[0], row_meaning),
-      (col_scale, cols, names[1], col_meaning)) if value is not None]
+      (row_scale, rows, "row_scale", row_meaning),
+      (col_scale, cols, "col_scale", col_meaning)) if value is not None]
   for value, size, name, meaning in given:
     if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
       raise ValueError(f"{name} given with an integer result "
@@ -449,10 +448,13 @@ def _broadcast_scales(vector_ref, first, shape, axis):
   """`vector_ref[first:first + shape[axis]]` broadcast to `shape` along the
   other axis, in the WGMMA accumulator's layout: loaded straight from
   global memory into the registers that hold those rows (`axis` 0) or
-  columns (1) of the accumulator (a few L2-resident words per thread, no
-  shared memory or barrier)."""
-  vector = plgpu.load(vector_ref.at[pl.ds(first, shape[axis])],
-                      layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+  columns (1) of the accumulator, no shared memory or barrier. Each
+  thread loads the entries of its own rows or columns: 2 rows of every
+  64 (`tile_m / 32` scales), 2 columns of every 8 (`tile_n / 4`)."""
+  # (`plgpu.load` with a layout is this cast, but its signature changed
+  # between JAX 0.10 and 0.12.)
+  vector = plgpu.layout_cast(vector_ref.at[pl.ds(first, shape[axis])][...],
+                             plgpu.Layout.WGMMA.reduce(1 - axis))
   return lax.broadcast_in_dim(vector, shape, (axis,))
 
 
