@@ -38,6 +38,17 @@ def pallas_mlp(save_gathered):
   return mlp
 
 
+# TileConfig fields of two tilings the fp8 and rowwise tests run in every
+# kernel: 64 x 256 warpgroup tiles (split along m) with a one-slot epilogue
+# (fp8's pick, `heuristics._wide_tiles`), and ping-pong warpgroups on
+# whole 128 x 128 tiles with a one-slot epilogue.
+ONE_SLOT_WIDE = dict(tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
+                     epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
+                     chain_tiles=True)
+PINGPONG_ONE_SLOT = dict(pingpong=True, chain_tiles=True, epi_tile_m=128,
+                         epi_tile_n=128, epi_slots=1, max_concurrent_steps=5)
+
+
 def kernel_configs(pattern):
   """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
   for CUDA, interpreted) cover: each schedule and send kind, chained at and

@@ -292,6 +292,8 @@ def rowwise_cases(facts) -> list[Case]:
   column scales alone and both beside the per-tensor scale, ping-pong and
   one-slot 64 x 256 tiles, shapes off the tiles, and a mutation."""
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  from cm_test_utils import ONE_SLOT_WIDE  # pylint: disable=g-import-not-at-top
+  from cm_test_utils import PINGPONG_ONE_SLOT  # pylint: disable=g-import-not-at-top
   out = []
   shapes = {"all_gather": GEMM_SHAPES[0], "reduce_scatter": GEMM_SHAPES[3]}
   for kind in ("all_gather", "reduce_scatter"):
@@ -308,12 +310,8 @@ def rowwise_cases(facts) -> list[Case]:
                           ("rows_cols_scalar", ROWWISE + ("scale",))):
       out.append(Case(f"{kind}/rowwise/{label}/d2/fp8", kind, 2, 1024, 2048,
                       1024, "fp8", base, scales=scales, origin="rowwise"))
-    one_slot = dict(tile_k=128, tile_m=64, tile_n=256, wg_dimension="m",
-                    epi_tile_m=64, epi_tile_n=256, epi_slots=1,
-                    max_concurrent_steps=3, chain_tiles=True)
-    pingpong = dict(tile_k=128, chain_tiles=True, pingpong=True,
-                    epi_tile_m=128, epi_tile_n=128, epi_slots=1,
-                    max_concurrent_steps=5)
+    one_slot = dict(tile_k=128, **ONE_SLOT_WIDE)
+    pingpong = dict(tile_k=128, **PINGPONG_ONE_SLOT)
     if kind == "all_gather":
       pingpong["eager_release"] = True  # The tiles forward: `axis_reason`.
     for label, fields in (("one_slot_64x256", one_slot),

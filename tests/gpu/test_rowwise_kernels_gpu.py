@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 
+from cm_test_utils import ONE_SLOT_WIDE
+from cm_test_utils import PINGPONG_ONE_SLOT
 from gpu_env import HOPPER_COUNT
 from gpu_env import poison
 from gpu_env import rel_error
@@ -24,11 +26,6 @@ from gpu_env import ring_mesh
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 AG, RS = kernels.AllGatherConfig, kernels.ReduceScatterConfig
 TOLERANCE = 5e-3  # bf16 results: the bf16 rounding beside the fp8 MMA's.
-ONE_SLOT_WIDE = dict(tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
-                     epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
-                     chain_tiles=True)
-PINGPONG_ONE_SLOT = dict(pingpong=True, chain_tiles=True, epi_tile_m=128,
-                         epi_tile_n=128, epi_slots=1, max_concurrent_steps=5)
 CORES = {
     "ag_default": AG(tile_k=128),
     "ag_wide_one_slot": AG(tile_k=128, **ONE_SLOT_WIDE),

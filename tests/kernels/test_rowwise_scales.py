@@ -36,6 +36,8 @@ from collective_matmul.kernels import peers
 from collective_matmul.kernels import ring_skeleton
 
 from cm_test_utils import INTERPRET_TILES as SMALL
+from cm_test_utils import ONE_SLOT_WIDE
+from cm_test_utils import PINGPONG_ONE_SLOT
 from cm_test_utils import INTERPRET_TOLERANCE as TOLERANCE
 from cm_test_utils import mesh_1d
 from cm_test_utils import needs_interpret_mode
@@ -50,11 +52,6 @@ lowers = pytest.mark.skipif(_VERSION < (0, 12),
 # Which scales a case gives: the row vector, the column vector, both.
 SCALES = {"row": ("row_scale",), "col": ("col_scale",),
           "both": ("row_scale", "col_scale")}
-ONE_SLOT_WIDE = dict(tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
-                     epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
-                     chain_tiles=True)
-PINGPONG_ONE_SLOT = dict(pingpong=True, chain_tiles=True, epi_tile_m=128,
-                         epi_tile_n=128, epi_slots=1, max_concurrent_steps=5)
 # fp8 configs (k steps of 128) of each kind of schedule.
 ALL_GATHER = {
     "default": AG(tile_k=128),
