@@ -38,6 +38,17 @@ def pallas_mlp(save_gathered):
   return mlp
 
 
+# TileConfig fields of two tilings the fp8 and rowwise tests run in every
+# kernel: 64 x 256 warpgroup tiles (split along m) with a one-slot epilogue
+# (fp8's pick, `heuristics._wide_tiles`), and ping-pong warpgroups on
+# whole 128 x 128 tiles with a one-slot epilogue.
+ONE_SLOT_WIDE = dict(tile_m=64, tile_n=256, wg_dimension="m", epi_tile_m=64,
+                     epi_tile_n=256, epi_slots=1, max_concurrent_steps=3,
+                     chain_tiles=True)
+PINGPONG_ONE_SLOT = dict(pingpong=True, chain_tiles=True, epi_tile_m=128,
+                         epi_tile_n=128, epi_slots=1, max_concurrent_steps=5)
+
+
 def kernel_configs(pattern):
   """{name: config} of the Hopper kernels that the CPU kernel tests (lowered
   for CUDA, interpreted) cover: each schedule and send kind, chained at and
@@ -127,6 +138,26 @@ def mesh_2d(shape, axis_type=AxisType.Explicit):
   return jax.make_mesh(shape, ("data", "tensor"),
                        devices=jax.devices()[:shape[0] * shape[1]],
                        axis_types=(axis_type, axis_type))
+
+
+def needs_interpret_mode():
+  """A skip mark for tests that run the kernels in Mosaic GPU's interpret
+  mode on CPU (JAX >= 0.12). Pallas is imported only here, when a test
+  module asks."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  plgpu = importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+  return pytest.mark.skipif(not hasattr(plgpu, "force_gpu_interpret_mode"),
+                            reason="Mosaic GPU interpret mode needs JAX >= "
+                            "0.12")
+
+
+# Interpreted kernels: products summed in f32 and rounded once to bf16
+# (~1.6e-3 relative, in the norm).
+INTERPRET_TOLERANCE = 5e-3
+# Small warpgroup tiles (a 128 x 64 CTA tile), so that the interpreter runs
+# several tiles and k steps fast.
+INTERPRET_TILES = dict(tile_m=64, tile_n=64, wg_dimension="m", epi_tile_m=64,
+                       epi_tile_n=64, max_concurrent_steps=2)
 
 
 def normal(key, shape, dtype):

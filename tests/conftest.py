@@ -83,6 +83,16 @@ def rng(request):
   return np.random.default_rng(_test_seed(request))
 
 
+@pytest.fixture
+def fresh_interpreter():
+  """After a kernel raised in Mosaic GPU's interpret mode, the interpreter
+  must be reset before it runs another one (`InterpretGPUParams`'
+  docstring)."""
+  yield
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # pylint: disable=g-import-not-at-top
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
 @pytest.fixture(autouse=True)
 def _clean_plugin_state():
   """Every test starts with an empty decision record and no configuration

@@ -20,7 +20,16 @@ weight K-major (`[N, K]` e4m3) and a per-tensor f32 scale, bf16 results:
   ours_fp8       the all-gather kernel's fp8 core (e4m3 x e4m3),
   ours_fp8_rs    the reduce-scatter kernel's fp8 core (e5m2 x e4m3),
 each of ours at the config `selection` picks for the fp8 problem
-(`fp8_core_configs`). With `--fp8-forward` also an fp8 layer's forward from
+(`fp8_core_configs`). With `--rowwise` also the same GEMMs scaled rowwise,
+by f32 row scales `[M]` and column scales `[N]` (random, in [0.5, 2)) in
+place of the per-tensor scale (`rowwise_arms`):
+  cublas_fp8_rowwise     XLA's fp8 dot (e4m3 x e4m3) to f32, times the
+                         row and column scales, cast to bf16,
+  cublas_fp8_rs_rowwise  the same on e5m2 x e4m3,
+  ours_fp8_rowwise       the all-gather's fp8 core, the scales in its
+                         epilogue, at ours_fp8's config,
+  ours_fp8_rs_rowwise    the reduce-scatter's, at ours_fp8_rs's config.
+With `--fp8-forward` also an fp8 layer's forward from
 bf16 operands, Flax's quantization then XLA's product or ours
 (`fp8_forward_arms`), whose kernel breakdown shows what runs beside the
 GEMM. `--only ARM...` times only those arms.
@@ -229,6 +238,50 @@ def fp8_arms(big_m, k, n, args, device=None):
   return arms
 
 
+# The rowwise arms' scale vectors are drawn uniform in this range.
+ROWWISE_SCALES = (0.5, 2.0)
+ROWWISE_ARMS = ("cublas_fp8_rowwise", "cublas_fp8_rs_rowwise",
+                "ours_fp8_rowwise", "ours_fp8_rs_rowwise")
+
+
+def xla_fp8_rowwise_matmul():
+  """The XLA rowwise fp8 arm: XLA's dot of the fp8 operands (lhs `[M, K]`,
+  rhs `[N, K]`) to f32, times the row scales `[M]` and the column scales
+  `[N]`, cast to bf16 (our epilogue's arithmetic, in whatever XLA fuses
+  around its GEMM)."""
+  def f(a, b_nk, row_scale, col_scale):
+    out = lax.dot_general(a, b_nk, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    return (out * row_scale[:, None] * col_scale[None, :]).astype(
+        jnp.bfloat16)
+  return jax.jit(f)
+
+
+def rowwise_kernel_fn(kernel, cfg, kw):
+  """Our fp8 core `kernel(lhs, rhs_nk, row_scale, col_scale)` on the
+  current mesh's one device (no ring)."""
+  return jax.jit(jax.shard_map(
+      lambda a, b, r, c: kernel(a, b, axis_name="x", config=cfg, row_scale=r,
+                                col_scale=c, **kw),
+      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+
+
+def rowwise_arms(big_m, k, n, args, device=None):
+  """[(name, fn, config, lhs dtype)] of the rowwise fp8 arms
+  (`ROWWISE_ARMS`), each `fn(lhs, rhs_nk, row_scale, col_scale)`; ours at
+  the per-tensor fp8 cores' configs (`fp8_core_configs`). None without
+  `--rowwise` or with `--skip-fp8`."""
+  if args.skip_fp8 or not args.rowwise:
+    return []
+  arms = [("cublas_fp8_rowwise", xla_fp8_rowwise_matmul(), None, E4M3),
+          ("cublas_fp8_rs_rowwise", xla_fp8_rowwise_matmul(), None, E5M2)]
+  for name, kernel, cfg, lhs_dtype, kw in fp8_core_configs(big_m, k, n, [],
+                                                           device):
+    arms.append((f"{name}_rowwise", rowwise_kernel_fn(kernel, cfg, kw), cfg,
+                 lhs_dtype))
+  return arms
+
+
 # Flax's fp8 state per operand: a scale, an amax history of this length.
 AMAX_HISTORY = 1024
 
@@ -386,6 +439,19 @@ def plan_fp8_calls(shape, args, device):
         label, "reduce_scatter" if lhs_dtype == E5M2 else "all_gather", cfg,
         big_m, k, n, 1, trace_ranges=trace_ranges(cfg, big_m, n, 132)
         if args.trace_dir else None))
+  for name, fn, cfg, lhs_dtype in rowwise_arms(big_m, k, n, args, device):
+    label = f"{shape} {name}"
+    if cfg is None:
+      calls.append(bench_plan.FnCall(
+          label, fn, shapes=[(big_m, k), (n, k), (big_m,), (n,)],
+          in_specs=[P()] * 4, devices=1,
+          dtype=(lhs_dtype, E4M3, jnp.float32, jnp.float32)))
+      continue
+    calls.append(bench_plan.fp8_ring_call(
+        label, "reduce_scatter" if lhs_dtype == E5M2 else "all_gather", cfg,
+        big_m, k, n, 1, scales=("row_scale", "col_scale"),
+        trace_ranges=trace_ranges(cfg, big_m, n, 132)
+        if args.trace_dir else None))
   if args.fp8_forward and not args.skip_fp8:
     operands = dict(
         shapes=[(big_m, k), (k, n), (1,), (1,), (AMAX_HISTORY,),
@@ -493,13 +559,16 @@ def bench_fp8(row, run, ours, mesh, big_m, k, n, args):
   scale = jnp.float32(FP8_SCALES[0] * FP8_SCALES[1])
   refs = {}
 
-  def reference(lhs_dtype):
-    """The f32 product on the GPU, at full f32 precision."""
+  def product(lhs_dtype):
+    """The f32 product on the GPU, at full f32 precision, unscaled."""
     if lhs_dtype not in refs:
       refs[lhs_dtype] = np.asarray(jnp.dot(
           lhs[lhs_dtype].astype(jnp.float32), rhs_nk.astype(jnp.float32).T,
-          precision=lax.Precision.HIGHEST) * scale)
+          precision=lax.Precision.HIGHEST))
     return refs[lhs_dtype]
+
+  def reference(lhs_dtype):
+    return product(lhs_dtype) * np.float32(scale)
 
   with jax.set_mesh(mesh):
     arms = fp8_arms(big_m, k, n, args)
@@ -518,6 +587,28 @@ def bench_fp8(row, run, ours, mesh, big_m, k, n, args):
     with jax.set_mesh(mesh):
       run(name, fn, None if cfg is None else dataclasses.asdict(cfg),
           operands, reference(lhs_dtype))
+  if args.rowwise:
+    row_scale, col_scale = (jax.device_put(jax.random.uniform(
+        jax.random.fold_in(key, i), (size,), jnp.float32, *ROWWISE_SCALES),
+                                           dev)
+                            for i, size in ((4, big_m), (5, n)))
+    rows, cols = np.asarray(row_scale)[:, None], np.asarray(col_scale)
+    rowwise_refs = {}
+    with jax.set_mesh(mesh):
+      arms = rowwise_arms(big_m, k, n, args)
+    for name, fn, cfg, lhs_dtype in arms:
+      if lhs_dtype not in rowwise_refs:
+        rowwise_refs[lhs_dtype] = product(lhs_dtype) * rows * cols
+      ref = rowwise_refs[lhs_dtype]
+      operands = (lhs[lhs_dtype], rhs_nk, row_scale, col_scale)
+      if cfg is not None:
+        kernel = (kernels.all_gather_lhs_matmul if lhs_dtype == E4M3 else
+                  kernels.matmul_reduce_scatter)
+        ours[name] = (kernel, cfg, operands, ref, dict(
+            weight_layout="nk", row_scale=row_scale, col_scale=col_scale))
+      with jax.set_mesh(mesh):
+        run(name, fn, None if cfg is None else dataclasses.asdict(cfg),
+            operands, ref)
   if args.fp8_forward:
     operands = fp8_forward_operands(big_m, k, n, dev)
     ref = np.asarray(jax.jit(fp8_forward_reference)(*operands))
@@ -575,6 +666,8 @@ def arm_names(args):
   if not args.skip_fp8:
     names += ["cublas_fp8", "cublas_fp8_rs", "ours_fp8", "ours_fp8_rs"] + [
         f"ours_{v}" for v, _ in args.variant if is_fp8_variant(v)]
+    if args.rowwise:
+      names += list(ROWWISE_ARMS)
     if args.fp8_forward:
       names += ["xla_fp8_fwd", "ours_fp8_fwd"]
   return names
@@ -598,6 +691,11 @@ def main():
   parser.add_argument("--skip-fp8", action="store_true",
                       help="do not time the fp8 arms (cuBLASLt's fp8 GEMM "
                       "and our kernels' fp8 cores)")
+  parser.add_argument("--rowwise", action="store_true",
+                      help="also time the fp8 GEMMs scaled by f32 row and "
+                      "column vectors: XLA's and our two cores "
+                      "(cublas_fp8_rowwise, cublas_fp8_rs_rowwise, "
+                      "ours_fp8_rowwise, ours_fp8_rs_rowwise)")
   parser.add_argument("--fp8-forward", action="store_true",
                       help="also time an fp8 layer's forward from bf16 "
                       "operands as Flax runs it (amax, scale, quantization, "
@@ -640,6 +738,8 @@ def main():
     parser.error(f"--power-seconds {args.power_seconds} must be >= 0")
   if args.fp8_forward and args.skip_fp8:
     parser.error("--fp8-forward times fp8 arms: drop --skip-fp8")
+  if args.rowwise and args.skip_fp8:
+    parser.error("--rowwise times fp8 arms: drop --skip-fp8")
   unknown = set(args.only or ()) - set(arm_names(args))
   if unknown:
     parser.error(f"--only {' '.join(sorted(unknown))}: no such arm (the "
@@ -670,8 +770,21 @@ def main():
   if not args.skip_fp8:
     print_fp8_table(rows, [f"ours_{v}" for v, _ in args.variant
                            if is_fp8_variant(v)])
+    if args.rowwise:
+      print_rowwise_table(rows)
     if args.fp8_forward:
       print_fp8_forward_table(rows)
+
+
+def print_rowwise_table(rows):
+  """The rowwise fp8 arms against XLA's rowwise GEMM and against the same
+  cores with a per-tensor scale, with geomeans."""
+  print_ratios(rows, [("ours_fp8_rowwise", "cublas_fp8_rowwise"),
+                      ("ours_fp8_rs_rowwise", "cublas_fp8_rs_rowwise"),
+                      ("ours_fp8_rowwise", "ours_fp8"),
+                      ("ours_fp8_rs_rowwise", "ours_fp8_rs"),
+                      ("cublas_fp8_rowwise", "cublas_fp8")],
+               "cublas_fp8_rowwise", "XLA fp8 rowwise us")
 
 
 def print_fp8_table(rows, variants):
@@ -680,7 +793,13 @@ def print_fp8_table(rows, variants):
   ratios = [("ours_fp8", "cublas_fp8"), ("ours_fp8_rs", "cublas_fp8"),
             ("ours_fp8_rs", "cublas_fp8_rs"), ("ours_fp8", "ours_ag"),
             ("cublas_fp8", "cublas")] + [(v, "cublas_fp8") for v in variants]
-  print("\n| M/K/N | cuBLAS fp8 us | " + " | ".join(
+  print_ratios(rows, ratios, "cublas_fp8", "cuBLAS fp8 us")
+
+
+def print_ratios(rows, ratios, base, base_label):
+  """A markdown table of time ratios `x / y` per shape, `base`'s time
+  first, with geomeans."""
+  print(f"\n| M/K/N | {base_label} | " + " | ".join(
       f"{x} / {y}" for x, y in ratios) + " |")
   print("|---" * (len(ratios) + 2) + "|")
   columns = [[] for _ in ratios]
@@ -692,7 +811,7 @@ def print_fp8_table(rows, variants):
         cells.append(f"{column[-1]:.3f}")
       else:
         cells.append("-")
-    print(f"| {r['shape']} | {r.get('cublas_fp8_us', 0):.1f} | "
+    print(f"| {r['shape']} | {r.get(base + '_us', 0):.1f} | "
           + " | ".join(cells) + " |")
   print("| geomean | | " + " | ".join(
       f"{math.exp(statistics.mean(map(math.log, c))):.3f}" if c else "-"

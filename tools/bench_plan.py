@@ -97,25 +97,34 @@ def ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
 
 
 def fp8_ring_call(label: str, pattern: str, config, m: int, k: int, n: int,
-                  d: int, **kw) -> Call:
+                  d: int, scales=("scale",), **kw) -> Call:
   """`ring_call` of the fp8 products: the all-gather e4m3 x e4m3, the
   reduce-scatter e5m2 x e4m3 (its wgmma mixes the two from JAX 0.11 on),
-  the weight K-major (`[n, k]`), a per-tensor scale, bf16 results."""
+  the weight K-major (`[n, k]`), bf16 results, and the scale operands
+  `scales` by keyword: the per-tensor `scale` (default), or rowwise
+  `row_scale` (each device's rows: the all-gather's shard, the
+  reduce-scatter's x) and `col_scale` (its weight's columns)."""
   from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
   e4m3, e5m2, f32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32
+  if pattern not in ("all_gather", "reduce_scatter"):
+    raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
+  rows = d * m if pattern == "all_gather" else d * d * m
+  operands = dict(scale=((), P()), row_scale=((rows,), P("x")),
+                  col_scale=((d * n,), P("x")))
+  shapes = [operands[name][0] for name in scales]
+  specs = [operands[name][1] for name in scales]
   if pattern == "all_gather":
     return Call(label, kernels.all_gather_lhs_matmul, config,
-                [(d * m, k), (d * n, k), ()],
-                [P("x", None), P("x", None), P()], P(None, "x"), d,
-                (e4m3, e4m3, f32), kwargs=dict(weight_layout="nk"),
-                operand_names=("scale",), **kw)
-  if pattern == "reduce_scatter":
-    return Call(label, kernels.matmul_reduce_scatter, config,
-                [(d * m, d * k), (n, d * k), ()],
-                [P(None, "x"), P(None, "x"), P()], P("x", None), d,
-                (e5m2, e4m3, f32), kwargs=dict(weight_layout="nk"),
-                operand_names=("scale",), needs_jax=MIXED_FP8_JAX, **kw)
-  raise ValueError(f"pattern {pattern!r}: all_gather or reduce_scatter")
+                [(d * m, k), (d * n, k), *shapes],
+                [P("x", None), P("x", None), *specs], P(None, "x"), d,
+                (e4m3, e4m3) + (f32,) * len(scales),
+                kwargs=dict(weight_layout="nk"), operand_names=scales, **kw)
+  return Call(label, kernels.matmul_reduce_scatter, config,
+              [(d * m, d * k), (n, d * k), *shapes],
+              [P(None, "x"), P(None, "x"), *specs], P("x", None), d,
+              (e5m2, e4m3) + (f32,) * len(scales),
+              kwargs=dict(weight_layout="nk"), operand_names=scales,
+              needs_jax=MIXED_FP8_JAX, **kw)
 
 
 @dataclasses.dataclass(frozen=True)

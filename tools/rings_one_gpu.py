@@ -16,7 +16,11 @@ with a scale; each schedule of the kernel tests' configs (chained tiles,
 dedicated senders on and off, k-major sends, 64 x 256 warpgroup tiles,
 one-slot epilogues) at D = 2 and 4; ping-pong warpgroups (bf16 and fp8,
 128 and 192 wide, one-slot epilogues, senders) at D = 2, 4 and 8; shapes
-off the tiles in m, n and k;
+off the tiles in m, n and k; rowwise fp8 (`/rowwise/`: per-row and
+per-column f32 scales, random and non-uniform, each rank its own) at
+D = 2, 4 and 8, with the picked configs, ping-pong and one-slot tiles,
+off the tiles, and a mutation that reads every tile's scales from the
+first tile's rows and columns;
 skewed ranks (unequal SM shares, one rank held back); and mutations that
 drop one wait or one signal of each kernel, which must make the case fail.
 
@@ -66,8 +70,11 @@ class Case:
   and local contraction); dtypes: "bf16" or "fp8"; shares, delay_ns,
   drop: `peers.VirtualRanks`' (shares () for D equal ones); early_free:
   the race that commit de65204 fixed, put back (`_early_free`);
-  expect_fail: a mutation, which the check must catch (wrong result or
-  hang).
+  scales: the scale operands by keyword (`scale`, `row_scale`,
+  `col_scale`), None for the default: fp8's per-tensor scale, none for
+  bf16; first_tile_scales: every tile's row and column scales read from
+  the first tile's (`_first_tile_scales`); expect_fail: a mutation, which
+  the check must catch (wrong result or hang).
   """
 
   name: str
@@ -82,8 +89,16 @@ class Case:
   delay_ns: tuple = ()
   drop: frozenset = frozenset()
   early_free: bool = False
+  scales: tuple | None = None
+  first_tile_scales: bool = False
   expect_fail: bool = False
   origin: str = ""
+
+  def scale_names(self) -> tuple:
+    """The scale operands the case passes, by keyword."""
+    if self.scales is not None:
+      return self.scales
+    return ("scale",) if self.dtypes == "fp8" else ()
 
   def ranks(self):
     from collective_matmul.kernels import peers  # pylint: disable=g-import-not-at-top
@@ -261,6 +276,58 @@ def cases(device_kind: str = DEFAULT_KIND, quick: bool = False) -> list[Case]:
         for m, k, n in ((1000, 1936, 1064), (1024, 2048, 1088)):
           add(Case(f"{kind}/off_tiles/d{d}/{dtypes}/{m}x{k}x{n}", kind, d, m,
                    k, n, dtypes, config, origin="off the tiles"))
+  for case in rowwise_cases(facts):
+    add(case)
+  return out
+
+
+ROWWISE = ("row_scale", "col_scale")
+
+
+def rowwise_cases(facts) -> list[Case]:
+  """6. Rowwise fp8: each rank's own row and column scales (`ROWWISE`), in
+  each kernel's epilogue before the cast (the reduce-scatter's before
+  each partial sum travels): the configs `selection` picks at D = 2, 4, 8
+  (the all-gather at wi's shape, the reduce-scatter at wo's), row or
+  column scales alone and both beside the per-tensor scale, ping-pong and
+  one-slot 64 x 256 tiles, shapes off the tiles, and a mutation."""
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  from cm_test_utils import ONE_SLOT_WIDE  # pylint: disable=g-import-not-at-top
+  from cm_test_utils import PINGPONG_ONE_SLOT  # pylint: disable=g-import-not-at-top
+  out = []
+  shapes = {"all_gather": GEMM_SHAPES[0], "reduce_scatter": GEMM_SHAPES[3]}
+  for kind in ("all_gather", "reduce_scatter"):
+    rows, k, n = (int(x) for x in shapes[kind].split("/"))
+    for d in RANKS:
+      config, source = _picked(kind, rows // d, k, n, d, "fp8", facts)
+      out.append(Case(f"{kind}/rowwise/picked/d{d}/fp8/{rows // d}x{k}x{n}",
+                      kind, d, rows // d, k, n, "fp8", config,
+                      scales=ROWWISE, origin=f"rowwise, selection ({source})"))
+    config_class = (kernels.AllGatherConfig if kind == "all_gather"
+                    else kernels.ReduceScatterConfig)
+    base = config_class(tile_k=128)
+    for label, scales in (("rows", ("row_scale",)), ("cols", ("col_scale",)),
+                          ("rows_cols_scalar", ROWWISE + ("scale",))):
+      out.append(Case(f"{kind}/rowwise/{label}/d2/fp8", kind, 2, 1024, 2048,
+                      1024, "fp8", base, scales=scales, origin="rowwise"))
+    one_slot = dict(tile_k=128, **ONE_SLOT_WIDE)
+    pingpong = dict(tile_k=128, **PINGPONG_ONE_SLOT)
+    if kind == "all_gather":
+      pingpong["eager_release"] = True  # The tiles forward: `axis_reason`.
+    for label, fields in (("one_slot_64x256", one_slot),
+                          ("pingpong_one_slot", pingpong)):
+      for d in (2, 8):
+        out.append(Case(f"{kind}/rowwise/{label}/d{d}/fp8", kind, d, 2048,
+                        1024, 2048, "fp8", config_class(**fields),
+                        scales=ROWWISE, origin="rowwise"))
+    for d in (2, 8):
+      out.append(Case(f"{kind}/rowwise/off_tiles/d{d}/fp8/1000x1936x1064",
+                      kind, d, 1000, 1936, 1064, "fp8", base, scales=ROWWISE,
+                      origin="rowwise, off the tiles"))
+    out.append(Case(f"{kind}/rowwise/mutation/first_tile_scales", kind, 2,
+                    1024, 2048, 1024, "fp8", base, scales=ROWWISE,
+                    first_tile_scales=True, expect_fail=True,
+                    origin="mutation"))
   return out
 
 
@@ -296,26 +363,38 @@ def _program(case: Case):
     shapes = [(d, d * m, k), (d, n, k) if fp8 else (d, k, n)]
     fn = functools.partial(kernels.matmul_reduce_scatter_virtual,
                            ranks=case.ranks(), weight_layout=layout, **kw)
-  if fp8:
+  names = case.scale_names()
+  if names:
     inner = fn
-    fn = lambda a, b, s: inner(a, b, scale=s)  # pylint: disable=unnecessary-lambda-assignment
-    shapes.append(())
-  dtypes = [a_dt, b_dt] + ([jnp.float32] if fp8 else [])
+    fn = lambda a, b, *s: inner(a, b, **dict(zip(names, s)))  # pylint: disable=unnecessary-lambda-assignment
+    # Each rank's own vectors: its shard's (all-gather) or its x's rows
+    # (reduce-scatter), its weight's columns.
+    rows = m if case.kind == "all_gather" else d * m
+    shapes += [dict(scale=(), row_scale=(d, rows), col_scale=(d, n))[name]
+               for name in names]
+  dtypes = [a_dt, b_dt] + [jnp.float32] * len(names)
   specs = [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, dtypes)]
 
-  def reference(a, b, *scale):
+  def reference(a, b, *scales):
+    given = dict(zip(names, scales))
     a = a.astype(jnp.float32)
     b = b.astype(jnp.float32)
     if fp8:
       b = jnp.swapaxes(b, 1, 2)  # [D, k, n]
+    if "row_scale" in given:
+      a = a * given["row_scale"][..., None]  # As scaling the rows after.
     hi = jax.lax.Precision.HIGHEST
     if case.kind == "all_gather":
       full = a.reshape(d * m, k)
       out = jnp.einsum("rk,dkn->drn", full, b, precision=hi)
+      if "col_scale" in given:
+        out = out * given["col_scale"][:, None, :]
     else:
+      if "col_scale" in given:
+        b = b * given["col_scale"][:, None, :]
       total = jnp.einsum("drk,dkn->rn", a, b, precision=hi)
       out = total.reshape(d, m, n)
-    return out * scale[0] if scale else out
+    return out * given["scale"] if "scale" in given else out
   return jax.jit(fn), specs, jax.jit(reference)
 
 
@@ -328,6 +407,9 @@ def _operands(specs, seed):
   for key, spec in zip(keys, specs):
     if spec.shape == ():
       out.append(jnp.float32(SCALE))
+      continue
+    if spec.dtype == jnp.float32:  # Row or column scales: non-uniform.
+      out.append(jax.random.uniform(key, spec.shape, jnp.float32, 0.25, 4.0))
       continue
     x = jax.random.normal(key, spec.shape, jnp.float32)
     if configs.is_fp8(spec.dtype):
@@ -372,6 +454,35 @@ class _early_free:  # pylint: disable=invalid-name
     self.module.plgpu = self.real
 
 
+class _first_tile_scales:  # pylint: disable=invalid-name
+  """For one case, every tile's epilogue reads the row and column scales
+  of the first tile's rows and columns (`ring_skeleton._broadcast_scales`
+  at offset 0): the check must find the result wrong."""
+
+  def __enter__(self):
+    from collective_matmul.kernels import ring_skeleton  # pylint: disable=g-import-not-at-top
+    self.module, self.real = ring_skeleton, ring_skeleton._broadcast_scales  # pylint: disable=protected-access
+    real = self.real
+    ring_skeleton._broadcast_scales = (  # pylint: disable=protected-access
+        lambda ref, first, shape, axis: real(ref, first * 0, shape, axis))
+    return self
+
+  def __exit__(self, *exc):
+    self.module._broadcast_scales = self.real  # pylint: disable=protected-access
+
+
+def _mutations(case: Case):
+  """The case's mutations (`_early_free`, `_first_tile_scales`), active
+  while its program is traced and compiled."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  stack = contextlib.ExitStack()
+  if case.early_free:
+    stack.enter_context(_early_free())
+  if case.first_tile_scales:
+    stack.enter_context(_first_tile_scales())
+  return stack
+
+
 def run_case(case: Case, announce=lambda phase: None, seed=0) -> dict:
   """Runs one case in this process (on a GPU): compile, then run with the
   output poisoned, then compare (on the device: `check`). `announce(phase)`
@@ -380,10 +491,7 @@ def run_case(case: Case, announce=lambda phase: None, seed=0) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   fn, specs, reference = _program(case)
   start = time.perf_counter()
-  if case.early_free:
-    with _early_free():
-      compiled = fn.lower(*specs).compile()
-  else:
+  with _mutations(case):
     compiled = fn.lower(*specs).compile()
   compile_s = time.perf_counter() - start
   args = _operands(specs, seed)

@@ -22,7 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul import kernels
 
+from cm_test_utils import INTERPRET_TILES as SMALL
+from cm_test_utils import INTERPRET_TOLERANCE as TOLERANCE
 from cm_test_utils import mesh_1d
+from cm_test_utils import needs_interpret_mode
 from cm_test_utils import normal
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -191,23 +194,7 @@ def test_a_k_major_weight_of_another_contraction_is_refused():
 # ------------------------------------------------------ Mosaic GPU interpreter
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-interpret_mode = pytest.mark.skipif(
-    not hasattr(plgpu, "force_gpu_interpret_mode"),
-    reason="Mosaic GPU interpret mode needs JAX >= 0.12")
-# fp8 products summed in f32 and rounded once to bf16 (~1.6e-3 relative).
-TOLERANCE = 5e-3
-# Small tiles, so that the interpreter runs several tiles and k steps fast.
-SMALL = dict(tile_m=64, tile_n=64, wg_dimension="m", epi_tile_m=64,
-             epi_tile_n=64, max_concurrent_steps=2)
-
-
-@pytest.fixture
-def _fresh_interpreter():
-  """After a kernel raised, the interpreter must be reset before it runs
-  another one (`InterpretGPUParams`' docstring)."""
-  yield
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # pylint: disable=g-import-not-at-top
-  gpu_callbacks.reset_gpu_interpret_mode_state()
+interpret_mode = needs_interpret_mode()
 
 
 def _interpreted(kernel, config, layout, a, b, scale):
@@ -224,7 +211,7 @@ def _interpreted(kernel, config, layout, a, b, scale):
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("kernel,config,layout,lhs_dtype", [
     (kernels.all_gather_lhs_matmul, AG(tile_k=128, **SMALL),
      dict(weight_layout="nk"), E4M3),
@@ -277,7 +264,7 @@ def _fp8_pick(collective):
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_fp8_picks_run_several_chained_tiles_per_block(collective, keys,
                                                        monkeypatch):
@@ -295,7 +282,7 @@ PINGPONG = dict(tile_k=128, pingpong=True, chain_tiles=True)
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 @pytest.mark.parametrize("collective,config,n", [
     ("all_gather", AG(epi_tile_m=128, epi_tile_n=128, epi_slots=1,
                       max_concurrent_steps=5, **PINGPONG), 640),
@@ -316,7 +303,7 @@ def test_fp8_pingpong_warpgroups_alternate_tiles(collective, config, n, keys,
 
 
 @interpret_mode
-@pytest.mark.usefixtures("_fresh_interpreter")
+@pytest.mark.usefixtures("fresh_interpreter")
 def test_a_bf16_weight_given_k_major_runs_in_interpret_mode(keys):
   """The K-major path is not fp8's alone: 16-bit operands are read
   transposed from shared memory too."""

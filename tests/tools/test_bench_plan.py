@@ -246,6 +246,31 @@ def test_bench_gemm_core_plans_fp8_variants_on_their_own_cores():
   assert run.returncode == 1
 
 
+def test_bench_gemm_core_plans_the_rowwise_arms():
+  """--rowwise: XLA's rowwise fp8 GEMM on both lhs dtypes and our two fp8
+  cores with row and column scales, after the per-tensor fp8 arms (the
+  e5m2 x e4m3 core skipped, not failed, on JAX 0.10); --only picks them;
+  --skip-fp8 refuses them."""
+  shape = "2048/1024/1024"
+  run = _run("bench_gemm_core.py", "--plan", "--skip-upstream", "--rowwise",
+             "--shapes", shape)
+  statuses = _statuses(run)
+  rowwise = ("cublas_fp8_rowwise", "cublas_fp8_rs_rowwise",
+             "ours_fp8_rowwise", "ours_fp8_rs_rowwise")
+  assert list(statuses) == [
+      f"{shape} {arm}" for arm in ("cublas", "ours_ag", "ours_rs") + FP8_ARMS
+      + rowwise], run.stdout
+  assert not [s for s in statuses.values() if s.startswith("FAILED")], (
+      run.stdout)
+  assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+  only = _run("bench_gemm_core.py", "--plan", "--rowwise", "--shapes", shape,
+              "--only", "ours_fp8_rowwise")
+  assert list(_statuses(only)) == [f"{shape} ours_fp8_rowwise"], only.stdout
+  refused = _run("bench_gemm_core.py", "--plan", "--rowwise", "--skip-fp8")
+  assert refused.returncode == 2
+  assert "--rowwise times fp8 arms" in refused.stderr
+
+
 def test_bench_gemm_core_plans_only_the_arms_asked_for():
   shape = "2048/1024/1024"
   run = _run("bench_gemm_core.py", "--plan", "--shapes", shape, "--only",

@@ -19,29 +19,37 @@ def _run_once(f, *operands, iterations):
   return jax.block_until_ready(f(*operands)), 2.0, {"fake": 2.0}
 
 
-def _product(a, b, layout, scale):
+def _product(a, b, layout, scale, row_scale=None, col_scale=None):
   """a @ b (b given [n, k] where `layout` is "nk"), fp8 operands in f32,
-  times `scale`, in bf16 as the kernels' fp8 cores give it."""
-  if layout == "kn" and scale is None:
+  times `scale` and the row and column scales, in bf16 as the kernels'
+  fp8 cores give it."""
+  if layout == "kn" and scale is row_scale is col_scale is None:
     return a @ b
   out = lax.dot_general(a, b, (((1,), (1 if layout == "nk" else 0,)),
                                ((), ())),
                         preferred_element_type=jnp.float32)
+  if row_scale is not None:
+    out = out * row_scale[:, None]
+  if col_scale is not None:
+    out = out * col_scale[None, :]
   return (out * (1 if scale is None else scale)).astype(jnp.bfloat16)
 
 
 def _fake_all_gather_kernel(a, b, axis_name, *, config, weight_layout="kn",
-                            scale=None):
+                            scale=None, row_scale=None, col_scale=None):
   del config
+  if row_scale is not None:
+    row_scale = lax.all_gather(row_scale, axis_name, axis=0, tiled=True)
   return _product(lax.all_gather(a, axis_name, axis=0, tiled=True), b,
-                  weight_layout, scale)
+                  weight_layout, scale, row_scale, col_scale)
 
 
 def _fake_reduce_scatter_kernel(a, b, axis_name, *, config, weight_layout="kn",
-                                scale=None):
+                                scale=None, row_scale=None, col_scale=None):
   del config
-  return lax.psum_scatter(_product(a, b, weight_layout, scale), axis_name,
-                          scatter_dimension=0, tiled=True)
+  return lax.psum_scatter(
+      _product(a, b, weight_layout, scale, row_scale, col_scale), axis_name,
+      scatter_dimension=0, tiled=True)
 
 
 def _fake_kernels(real):
@@ -64,7 +72,7 @@ def test_gemm_core_row_records_each_config_and_the_variants_that_fail(
     gemm_core):
   args = argparse.Namespace(
       iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
-      trace_dir=None, skip_fp8=True, only=None,
+      trace_dir=None, skip_fp8=True, rowwise=False, only=None,
       variant=[gemm_core.parse_variant('w256={"tile_m": 64, "tile_n": 256, '
                                        '"wg_dimension": "m"}'),
                gemm_core.parse_variant('rs_bad={"tile_m": 7}')])
@@ -94,7 +102,8 @@ def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(
       gemm_core.fp8_forward_arms, impl="ring"))
   args = argparse.Namespace(
       iterations=1, rounds=2, skip_upstream=True, power_seconds=0,
-      trace_dir=None, skip_fp8=False, fp8_forward=True, only=None,
+      trace_dir=None, skip_fp8=False, fp8_forward=True, rowwise=False,
+      only=None,
       variant=[gemm_core.parse_variant('fp8_deep={"max_concurrent_steps": '
                                        '3}'),
                gemm_core.parse_variant('rs_fp8_bad={"tile_k": 48}')])
@@ -112,6 +121,29 @@ def test_gemm_core_row_records_the_fp8_arms_beside_the_bf16_ones(
   for name in ("xla_fp8_fwd", "ours_fp8_fwd"):
     assert row[f"{name}_rel_err"] < 1e-2, name
     assert row[f"{name}_rounds_us"] == [2.0, 2.0], name
+
+
+def test_gemm_core_row_records_the_rowwise_arms_beside_the_per_tensor_ones(
+    gemm_core):
+  """With --rowwise, XLA's fp8 GEMM and our two fp8 cores scaled by row
+  and column vectors, at the per-tensor cores' configs, each checked
+  against the f32 product of its fp8 values times the vectors: a core
+  that dropped them (here: the column scales) is reported wrong."""
+  args = argparse.Namespace(
+      iterations=1, rounds=1, skip_upstream=True, power_seconds=0,
+      trace_dir=None, skip_fp8=False, fp8_forward=False, rowwise=True,
+      only=None, variant=[])
+  row = gemm_core.bench("256/512/256", args)
+  for name in gemm_core.ROWWISE_ARMS + ("ours_fp8", "cublas_fp8"):
+    assert row[f"{name}_rel_err"] < 1e-2, name
+  assert row["ours_fp8_rowwise_config"] == row["ours_fp8_config"]
+  assert row["ours_fp8_rs_rowwise_config"] == row["ours_fp8_rs_config"]
+  real = gemm_core.kernels.all_gather_lhs_matmul
+  gemm_core.kernels.all_gather_lhs_matmul = (
+      lambda *a, col_scale=None, **kw: real(*a, **kw))
+  row = gemm_core.bench("256/512/256", args)
+  assert row["ours_fp8_rowwise_rel_err"] > 0.1
+  assert row["ours_fp8_rs_rowwise_rel_err"] < 1e-2
 
 
 def _kernels_args(**kw):

@@ -45,6 +45,70 @@ def test_the_cases_cover_the_rings():
     assert sum(c.ranks().shares) <= rings.SM_COUNT
 
 
+def test_the_rowwise_cases_cover_both_kernels_at_every_d():
+  rowwise = [c for c in rings.cases() if "/rowwise/" in c.name]
+  for kind in ("all_gather", "reduce_scatter"):
+    mine = [c for c in rowwise if c.kind == kind]
+    assert {c.d for c in mine} == {2, 4, 8}
+    assert {c.dtypes for c in mine} == {"fp8"}
+    given = {c.scale_names() for c in mine}
+    assert {("row_scale",), ("col_scale",), rings.ROWWISE} <= given
+    assert any("scale" in names for names in given)
+    assert any(c.config.pingpong for c in mine)
+    assert any(c.config.epi_slots == 1 and c.config.tile_n == 256
+               for c in mine)
+    assert any(c.origin.startswith("rowwise, selection") for c in mine)
+    assert any(c.m % 128 for c in mine)  # Off the tiles.
+    assert any(c.first_tile_scales and c.expect_fail for c in mine)
+  listed = rings.main(["--list", "--only", "/rowwise/"])
+  assert listed == 0
+
+
+def _rowwise_by_hand(kind, d, a, b_nk, row, col):
+  """Each rank's rowwise product, block by block in float64: the
+  all-gather's shard j rows times rank r's columns, scaled by shard j's
+  row scales and rank r's column scales; the reduce-scatter's sum over
+  ranks r of rank r's scaled partial product, rank i keeping block i."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  a, b_nk, row, col = (np.asarray(x, np.float64) for x in (a, b_nk, row, col))
+  if kind == "all_gather":
+    return np.stack([np.concatenate(
+        [(a[j] @ b_nk[r].T) * row[j][:, None] * col[r][None, :]
+         for j in range(d)]) for r in range(d)])
+  total = sum((a[r] @ b_nk[r].T) * row[r][:, None] * col[r][None, :]
+              for r in range(d))
+  return total.reshape(d, -1, total.shape[-1])
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_the_rowwise_reference_scales_each_ranks_rows_and_columns(kind):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from collective_matmul import kernels  # pylint: disable=g-import-not-at-top
+  config = (kernels.AllGatherConfig if kind == "all_gather" else
+            kernels.ReduceScatterConfig)(tile_k=128)
+  case = rings.Case("small", kind, 3, 16, 32, 24, "fp8", config,
+                    scales=rings.ROWWISE)
+  _, specs, reference = rings._program(case)  # pylint: disable=protected-access
+  args = rings._operands(specs, seed=1)  # pylint: disable=protected-access
+  row, col = np.asarray(args[2]), np.asarray(args[3])
+  assert row.min() > 0 and row.std() > 0.5 and col.std() > 0.5
+  want = _rowwise_by_hand(kind, 3, *args)
+  got = np.asarray(reference(*args), np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+  assert not np.allclose(got, _rowwise_by_hand(kind, 3, *args[:2], row,
+                                               jnp.ones_like(col)))
+
+
+def test_the_first_tile_scales_mutation_changes_the_traced_epilogue():
+  case = next(c for c in rings.cases() if c.first_tile_scales)
+  fn, specs, _ = rings._program(case)  # pylint: disable=protected-access
+  with rings._mutations(case):  # pylint: disable=protected-access
+    mutated = str(fn.trace(*specs).jaxpr)
+  fn, specs, _ = rings._program(case)  # pylint: disable=protected-access
+  assert str(fn.trace(*specs).jaxpr) != mutated
+
+
 def test_virtual_ranks_refuse_what_cannot_run():
   with pytest.raises(ValueError, match="one positive block count per rank"):
     peers.VirtualRanks(2, (66,))
@@ -67,7 +131,8 @@ def test_virtual_ranks_refuse_what_cannot_run():
 
 
 @pytest.mark.parametrize("only", [["/default/", "/mutation/", "/skew/"],
-                                  ["/picked/d8/", "/off_tiles/d2/"]])
+                                  ["/picked/d8/", "/off_tiles/d2/"],
+                                  ["/rowwise/"]])
 def test_the_cases_trace_and_lower_without_a_gpu(only):
   selected = [c for c in rings.cases()
               if any(s in c.name for s in only)]
@@ -161,15 +226,17 @@ def test_the_check_matches_numpy_and_catches_unwritten_ranks():
   assert int(rings.check(nudged, jnp.asarray(ref))[1]) != int(total)
 
 
+@pytest.mark.parametrize("name", [
+    "reduce_scatter/off_tiles/d2/bf16/1000x1936x1064",
+    "all_gather/rowwise/off_tiles/d2/fp8/1000x1936x1064"])
 @pytest.mark.parametrize("unwritten", [False, True])
-def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch, unwritten):
+def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch, unwritten, name):
   """`run_case`'s steps around the kernel (compile, operands, poison, two
   runs, the check on the device) with the kernel swapped for its f32
   reference cast to the output dtype: ok; with one rank left NaN, wrong."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  case = next(c for c in rings.cases() if c.name ==
-              "reduce_scatter/off_tiles/d2/bf16/1000x1936x1064")
+  case = next(c for c in rings.cases() if c.name == name)
   real = rings._program  # pylint: disable=protected-access
 
   def program(case):

@@ -45,7 +45,8 @@ from collective_matmul.kernels.configs import AllGatherConfig
 
 def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
                  m_shard, k, n, rows_per_batch, diagnostic_loopback,
-                 weight_k_major=False, scaled=False):
+                 weight_k_major=False,
+                 scales=ring_skeleton.ScaleOperands()):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   all-gather's hooks. Who forwards the shard to the next device:
 
@@ -56,15 +57,18 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
     rows, a later step's tile waits for its row block; k-major, its memory
     warpgroup waits for each k group as it loads it.
 
-  `refs`: the scale (where `scaled`), the output, the receive buffer
-  (D > 1). `ring`: the ranks' seam (`peers`), through which every peer
-  is reached.
+  `refs`: the scales given (`scales`: the row scales every rank's, the
+  rows of shard j at `[j * m_shard, (j + 1) * m_shard)`), the output, the
+  receive buffer (D > 1). `ring`: the ranks' seam (`peers`), through
+  which every peer is reached.
   """
   ring.start()
   axis_size = ring.axis_size
-  scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
+  scale_refs, (out_ref, *maybe_scratch) = scales.split(refs)
   lhs_local_ref, rhs_ref, out_ref = map(ring.local,
                                         (lhs_local_ref, rhs_ref, out_ref))
+  if scale_refs.cols is not None:
+    scale_refs = scale_refs._replace(cols=ring.local(scale_refs.cols))
   scratch_all = maybe_scratch[0] if maybe_scratch else None
   cta_tile_m, tile_k = config.cta_tile_m, config.tile_k
   grid = ring_skeleton.tile_grid(config, axis_size, m_shard, k, n)
@@ -98,6 +102,11 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
   else:
     dev = 0
     scratch_ref = None
+
+  def scale_row(step, m_idx, source):
+    """Where the tile's rows start among every shard's row scales."""
+    del step
+    return source * m_shard + m_idx * cta_tile_m
 
   def row_block(step, m_idx):
     """Whose shard the tile multiplies, and where its rows go."""
@@ -195,7 +204,7 @@ def _ring_kernel(lhs_local_ref, rhs_ref, *refs, ring, config: AllGatherConfig,
       ring=ring, row_block=row_block, begin_tile=begin_tile,
       delay_release=0 if eager else 1,
       k_order=k_order if tiles_send else None, weight_k_major=weight_k_major,
-      scale_ref=scale_ref)
+      scales=scale_refs, scale_row=scale_row)
   if not sender_sms:
     loop()
     return
@@ -311,7 +320,8 @@ def _forward_loop(sender, lhs_local_ref, scratch_ref, peer_scratch, arrived, *,
 def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
                           return_gathered: bool = False,
-                          weight_layout: str = "kn", scale=None):
+                          weight_layout: str = "kn", scale=None,
+                          row_scale=None, col_scale=None):
   """`all_gather(lhs, axis_name, tiled=True) @ rhs` on Hopper GPUs.
 
   Call inside `shard_map` over `axis_name`. Rows and k that do not fit the
@@ -341,6 +351,14 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
     scale: None, or an f32 scalar (shape `()`) the f32 accumulator is
       multiplied by before it is cast: the product of fp8 operands'
       scales. fp8 needs `config.tile_k` 128 (`configs.fp8_reason`).
+    row_scale: None, or `[m]` f32, the scales of this device's lhs rows
+      (rowwise fp8): the gathered result's row i of shard j is multiplied
+      by shard j's `row_scale[i]`. Gathered from every device before the
+      kernel (`_launch` says why), `[D, m]` f32 in all.
+    col_scale: None, or `[n]` f32, the scales of this device's rhs
+      columns: column j of the result is multiplied by `col_scale[j]`.
+      With `scale` too, the accumulator is multiplied by all three, in
+      f32, before the cast.
 
   Returns:
     `[D * m, n]`: device blocks in axis-index order, or with `rows_per_batch`
@@ -351,7 +369,8 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
   out, lhs, received = _launch(lhs, rhs, ring, config=config,
                                out_dtype=out_dtype,
                                rows_per_batch=rows_per_batch,
-                               weight_layout=weight_layout, scale=scale)
+                               weight_layout=weight_layout, scale=scale,
+                               row_scale=row_scale, col_scale=col_scale)
   if not return_gathered:
     return out
   # Slot s of the scratch holds shard (d + s + 1) % D: rotate into order.
@@ -365,7 +384,8 @@ def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config: AllGatherConfig,
 def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
                                   config: AllGatherConfig, out_dtype=None,
                                   rows_per_batch: int | None = None,
-                                  weight_layout: str = "kn", scale=None):
+                                  weight_layout: str = "kn", scale=None,
+                                  row_scale=None, col_scale=None):
   """The all-gather ring as `ranks.axis_size` virtual ranks in one launch on
   one GPU (`peers.VirtualRanks`): the product's kernel and schedule, each
   peer a slice of stacked arrays. For checking the ring on one GPU; the
@@ -377,6 +397,9 @@ def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
       columns.
     ranks, config, out_dtype, rows_per_batch, weight_layout, scale: as
       `all_gather_lhs_matmul` (the scale is shared by every rank).
+    row_scale: None, or `[D, m]` f32, rank r's rows' scales at `[r]` (as
+      `all_gather_lhs_matmul` gathers them).
+    col_scale: None, or `[D, n]` f32, rank r's columns' scales at `[r]`.
 
   Returns:
     `[D, D * m, n]`: rank r's output at `[r]`.
@@ -384,23 +407,37 @@ def all_gather_lhs_matmul_virtual(lhs, rhs, ranks: peers.VirtualRanks, *,
   peers.check_stacked(ranks, lhs=lhs, rhs=rhs)
   return _launch(lhs, rhs, ranks, config=config, out_dtype=out_dtype,
                  rows_per_batch=rows_per_batch, weight_layout=weight_layout,
-                 scale=scale)[0]
+                 scale=scale, row_scale=row_scale, col_scale=col_scale)[0]
 
 
 def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
-            rows_per_batch, weight_layout, scale):
+            rows_per_batch, weight_layout, scale, row_scale, col_scale):
   """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
   ranks every array has a leading rank axis); returns (the output, the
-  padded lhs, the receive buffer or None)."""
+  padded lhs, the receive buffer or None).
+
+  Row scales are gathered before the kernel (`ring.gather`), not carried
+  around the ring with their rows: they are 4 bytes a row against the
+  row's k operand bytes, so a separate gather moves next to nothing,
+  while carrying them would add a second payload to each of the three
+  send schemes (the tiles' k slices, by-rows and k-major senders) and to
+  the arrival each announces, changing the ring's synchronisation for
+  every config. Each tile reads its shard's slice of the gathered
+  scales in its epilogue."""
   lead = lhs.shape[:1] if ring.stacked else ()
   keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
   weight_k_major = ring_skeleton.weight_k_major(weight_layout)
   ring_skeleton.check_scale(scale)
+  ring_skeleton.check_vector_scales(row_scale, col_scale,
+                                    out_dtype=out_dtype)
   out_dtype = ring_skeleton.check_operands(
       ring_skeleton.per_rank(lhs, ring), ring_skeleton.per_rank(rhs, ring),
       out_dtype, k_major=weight_k_major, tile_k=config.tile_k)
   m, k = lhs.shape[-2:]
   n = rhs.shape[-2] if weight_k_major else rhs.shape[-1]
+  ring_skeleton.check_vector_scales(
+      row_scale, col_scale, rows=m, cols=n, lead=lead,
+      row_meaning="row of lhs", col_meaning="column of rhs")
   axis_size = ring.axis_size
   ring_skeleton.check_config(config, AllGatherConfig)
   ring_skeleton.check_axis(config, axis_size)
@@ -432,9 +469,20 @@ def _launch(lhs, rhs, ring, *, config: AllGatherConfig, out_dtype,
                         rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         weight_k_major=weight_k_major,
-                        scaled=scale is not None),
+                        scales=ring_skeleton.ScaleOperands.of(
+                            scale, row_scale, col_scale)),
       out_types, ring)
-  scales = () if scale is None else (scale.reshape(1),)
+
+  def every_shards_rows(row_scale):
+    """`[D * m_shard]`: every rank's row scales, each padded as its shard."""
+    rows = ring.gather(row_scale)
+    if pad.m:
+      rows = jnp.pad(rows, ((0, 0), (0, pad.m)))
+    return rows.reshape(axis_size * m_shard)
+
+  scales = ring_skeleton.scale_operands(
+      scale, row_scale, col_scale, rows_pad=every_shards_rows,
+      cols_pad=pad.n, lead=lead)
   results = kernel(lhs, rhs, *scales)
   out = results[0]
   if pad.m or pad_n:

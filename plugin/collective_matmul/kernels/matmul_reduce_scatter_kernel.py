@@ -53,17 +53,24 @@ from collective_matmul.kernels.configs import ReduceScatterConfig
 
 def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
                  m_block, k, n, rows_per_batch, diagnostic_loopback,
-                 weight_k_major=False, scaled=False):
+                 weight_k_major=False,
+                 scales=ring_skeleton.ScaleOperands()):
   """The shared skeleton (`ring_skeleton.ring_tile_loop`) with the
   reduce-scatter's hooks: a tile's k loop sends (and announces) the previous
   tile's partial sum, and its epilogue adds the partial sum it received and
-  sends the sum on, or stores it once complete. `refs`: the scale (where
-  `scaled`), the output, the receive buffer (D > 1). `ring`: the ranks'
-  seam (`peers`), through which every peer is reached."""
+  sends the sum on, or stores it once complete. `refs`: the scales given
+  (`scales`; rows numbered as x's), the output, the receive buffer
+  (D > 1). `ring`: the ranks' seam (`peers`), through which every peer is
+  reached. Each device scales its own partial product before it is cast,
+  summed and sent."""
   ring.start()
   axis_size = ring.axis_size
-  scale_ref, out_ref, *maybe_scratch = refs if scaled else (None, *refs)
+  scale_refs, (out_ref, *maybe_scratch) = scales.split(refs)
   x_ref, w_ref, out_ref = map(ring.local, (x_ref, w_ref, out_ref))
+  scale_refs = scale_refs._replace(
+      **{name: ring.local(ref) for name, ref in
+         (("rows", scale_refs.rows), ("cols", scale_refs.cols))
+         if ref is not None})
   scratch_all = maybe_scratch[0] if maybe_scratch else None
   out_dtype = out_ref.dtype
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
@@ -109,6 +116,11 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
     """Signals the peer once this warpgroup's stores of a tile landed."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     ring.signal(landed, (step, m_idx, n_idx), send_to, "rs_partial_signal")
+
+  def x_row(m_idx, block):
+    """The first of x's rows a tile of `block` multiplies."""
+    return schedule.output_row(m_idx * cta_tile_m, block, axis_size,
+                               rows_per_batch)
 
   def row_block(step, m_idx):
     """Whose partial sum the tile works on; it is written to the tile's
@@ -223,8 +235,7 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
           announce(prev_step, prev_m, prev_n)
 
     def run(matmul):
-      matmul(x_ref, schedule.output_row(m_idx * cta_tile_m, tile.block,
-                                        axis_size, rows_per_batch))
+      matmul(x_ref, x_row(m_idx, tile.block))
 
     return ring_skeleton.TileHooks(run=run, k_step=send_previous,
                                    epilogue=epilogue)
@@ -233,12 +244,14 @@ def _ring_kernel(x_ref, w_ref, *refs, ring, config: ReduceScatterConfig,
       grid, x_ref, w_ref, out_ref, ring=ring, row_block=row_block,
       begin_tile=begin_tile, delay_release=0,
       scratch=dict(received=plgpu.Barrier(num_barriers=4)),
-      weight_k_major=weight_k_major, scale_ref=scale_ref)
+      weight_k_major=weight_k_major, scales=scale_refs,
+      scale_row=lambda step, m_idx, block: x_row(m_idx, block))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
                           out_dtype=None, rows_per_batch: int | None = None,
-                          weight_layout: str = "kn", scale=None):
+                          weight_layout: str = "kn", scale=None,
+                          row_scale=None, col_scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`.
 
   Call inside `shard_map` over `axis_name`.
@@ -264,6 +277,14 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
       that each device's partial product is multiplied by, in f32, before
       it is cast and summed: the product of fp8 operands' scales. fp8
       needs `config.tile_k` 128 (`configs.fp8_reason`).
+    row_scale: None, or `[D * m]` f32, the scales of this device's x rows
+      (rowwise fp8): row i of its partial product is multiplied by
+      `row_scale[i]`.
+    col_scale: None, or `[n]` f32, the scales of this device's w columns:
+      column j of its partial product is multiplied by `col_scale[j]`.
+      Every scale given multiplies the device's f32 partial product before
+      it is cast, summed and sent on: the result is the sum over devices
+      of `(x @ w) * scale * row_scale[:, None] * col_scale[None, :]`.
 
   Returns:
     `[m, n]`: row block `axis_index` of the sum over devices.
@@ -271,14 +292,16 @@ def matmul_reduce_scatter(x, w, axis_name, *, config: ReduceScatterConfig,
   return _launch(x, w, peers.DeviceRing(axis_name, lax.axis_size(axis_name)),
                  config=config, out_dtype=out_dtype,
                  rows_per_batch=rows_per_batch, weight_layout=weight_layout,
-                 scale=scale, axis_label=repr(axis_name))
+                 scale=scale, row_scale=row_scale, col_scale=col_scale,
+                 axis_label=repr(axis_name))
 
 
 def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
                                   config: ReduceScatterConfig,
                                   out_dtype=None,
                                   rows_per_batch: int | None = None,
-                                  weight_layout: str = "kn", scale=None):
+                                  weight_layout: str = "kn", scale=None,
+                                  row_scale=None, col_scale=None):
   """The reduce-scatter ring as `ranks.axis_size` virtual ranks in one launch
   on one GPU (`peers.VirtualRanks`): the product's kernel and schedule,
   each peer a slice of stacked arrays. For checking the ring on one GPU;
@@ -289,6 +312,8 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
     w: `[D, k, n]` (or `[D, n, k]` with `weight_layout="nk"`).
     ranks, config, out_dtype, rows_per_batch, weight_layout, scale: as
       `matmul_reduce_scatter` (the scale is shared by every rank).
+    row_scale: None, or `[D, D * m]` f32, rank r's x rows' scales at `[r]`.
+    col_scale: None, or `[D, n]` f32, rank r's w columns' scales at `[r]`.
 
   Returns:
     `[D, m, n]`: rank r's row block of the sum at `[r]`.
@@ -296,22 +321,29 @@ def matmul_reduce_scatter_virtual(x, w, ranks: peers.VirtualRanks, *,
   peers.check_stacked(ranks, x=x, w=w)
   return _launch(x, w, ranks, config=config, out_dtype=out_dtype,
                  rows_per_batch=rows_per_batch, weight_layout=weight_layout,
-                 scale=scale, axis_label="the virtual ranks")
+                 scale=scale, row_scale=row_scale, col_scale=col_scale,
+                 axis_label="the virtual ranks")
 
 
 def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
-            rows_per_batch, weight_layout, scale, axis_label):
+            rows_per_batch, weight_layout, scale, row_scale, col_scale,
+            axis_label):
   """Checks, pads and runs the kernel on `ring` (`peers`; with virtual
   ranks every array has a leading rank axis); returns the output."""
   lead = x.shape[:1] if ring.stacked else ()
   keep = ((0, 0),) * len(lead)  # No padding of the rank axis.
   weight_k_major = ring_skeleton.weight_k_major(weight_layout)
   ring_skeleton.check_scale(scale)
+  ring_skeleton.check_vector_scales(row_scale, col_scale,
+                                    out_dtype=out_dtype)
   out_dtype = ring_skeleton.check_operands(
       ring_skeleton.per_rank(x, ring), ring_skeleton.per_rank(w, ring),
       out_dtype, names=("x", "w"), k_major=weight_k_major, tile_k=config.tile_k)
   rows, k = x.shape[-2:]
   n = w.shape[-2] if weight_k_major else w.shape[-1]
+  ring_skeleton.check_vector_scales(
+      row_scale, col_scale, rows=rows, cols=n, lead=lead,
+      row_meaning="row of x", col_meaning="column of w")
   axis_size = ring.axis_size
   if rows % axis_size:
     raise ValueError(f"x has {rows} rows, not divisible by the {axis_size} "
@@ -349,8 +381,19 @@ def _launch(x, w, ring, *, config: ReduceScatterConfig, out_dtype,
                         rows_per_batch=rows_per_batch,
                         diagnostic_loopback=diagnostics.loopback_active(),
                         weight_k_major=weight_k_major,
-                        scaled=scale is not None),
+                        scales=ring_skeleton.ScaleOperands.of(
+                            scale, row_scale, col_scale)),
       out_types, ring)
-  scales = () if scale is None else (scale.reshape(1),)
+
+  def rows_as_x(row_scale):
+    """The row scales padded as x's row blocks are."""
+    if not pad.m:
+      return row_scale
+    return jnp.pad(row_scale.reshape(*lead, axis_size, m),
+                   keep + ((0, 0), (0, pad.m))).reshape(*lead, -1)
+
+  scales = ring_skeleton.scale_operands(
+      scale, row_scale, col_scale, rows_pad=rows_as_x, cols_pad=pad.n,
+      lead=lead)
   out = kernel(x, w, *scales)[0]
   return out[..., :m, :n] if (pad.m or pad_n) else out

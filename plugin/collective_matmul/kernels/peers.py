@@ -96,6 +96,11 @@ class DeviceRing:
     """This rank's view of a per-rank array."""
     return ref
 
+  def gather(self, x):
+    """Every rank's `x`, stacked in rank order (`[D, ...]`), outside the
+    kernel: an all-gather over the axis."""
+    return lax.all_gather(x, self.axis_name)
+
   def remote(self, ref, peer):
     """Rank `peer`'s view of a per-rank array (its receive buffer)."""
     return plgpu.remote_ref(ref, peer_id(self.axis_name, peer))
@@ -210,6 +215,11 @@ class VirtualRanks:
 
   def local(self, ref):
     return ref.at[self.rank()]
+
+  def gather(self, x):
+    """Every rank's `x` stacked in rank order: virtual ranks' arrays
+    already are."""
+    return x
 
   def remote(self, ref, peer):
     return ref.at[peer]

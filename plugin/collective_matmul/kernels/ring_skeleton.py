@@ -68,6 +68,35 @@ def check_scale(scale):
         "scalar (shape ()), the product of the operands' scales")
 
 
+def check_vector_scales(row_scale, col_scale, *, rows: int | None = None,
+                        cols: int | None = None, out_dtype=None, lead=(),
+                        row_meaning="row", col_meaning="column"):
+  """The per-row and per-column scales of a product: None, or float32
+  vectors of `rows` and `cols` entries (with virtual ranks `lead`, `(D,)`,
+  in front: one vector per rank). Called first with the requested
+  `out_dtype` alone (a scaled result must be floating point: before the
+  operands' checks, so the message names the scale), then with the sizes
+  once the operands are checked."""
+  given = [(value, size, name, meaning) for value, size, name, meaning in (
+      (row_scale, rows, "row_scale", row_meaning),
+      (col_scale, cols, "col_scale", col_meaning)) if value is not None]
+  for value, size, name, meaning in given:
+    if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
+      raise ValueError(f"{name} given with an integer result "
+                       f"(out_dtype={jnp.dtype(out_dtype).name}): scales "
+                       "multiply a floating-point accumulator")
+    dtype = getattr(value, "dtype", None)
+    if dtype != jnp.float32:
+      raise ValueError(f"{name} of dtype "
+                       f"{getattr(dtype, 'name', type(value).__name__)}: "
+                       "expected float32")
+    shape = getattr(value, "shape", None)
+    if size is not None and shape != (*lead, size):
+      raise ValueError(
+          f"{name} of shape {shape}: expected {(*lead, size)}, one float32 "
+          f"scale per {meaning}" + (" of each rank" if lead else ""))
+
+
 def check_operands(lhs, rhs, out_dtype, names=("lhs", "rhs"), *,
                    k_major=False, tile_k=None):
   """Validates a kernel's 2-D operands (the weight `[n, k]` where
@@ -169,6 +198,57 @@ def ring_neighbours(ring):
   return dev, lax.rem(dev + ring.axis_size - 1, ring.axis_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleOperands:
+  """Which scales a kernel takes (static), each an operand after A and B in
+  this order: the per-tensor scalar (`(1,)` f32), the row scales (f32, one
+  per row of A as the collective numbers them: `Tile.scale_row`) and the
+  column scales (f32, one per column of B, padded to the tiles)."""
+
+  scalar: bool = False
+  rows: bool = False
+  cols: bool = False
+
+  @classmethod
+  def of(cls, scale, row_scale, col_scale) -> "ScaleOperands":
+    return cls(scale is not None, row_scale is not None,
+               col_scale is not None)
+
+  def split(self, refs):
+    """(`ScaleRefs`, the remaining refs) of the refs after A and B."""
+    refs = list(refs)
+    scalar, rows, cols = (refs.pop(0) if given else None
+                          for given in (self.scalar, self.rows, self.cols))
+    return ScaleRefs(scalar, rows, cols), refs
+
+
+class ScaleRefs(NamedTuple):
+  """The scale operands in global memory (`ScaleOperands`), or None each:
+  `scalar` a `(1,)` f32, `rows` and `cols` this rank's f32 vectors."""
+
+  scalar: Any = None
+  rows: Any = None
+  cols: Any = None
+
+
+def scale_operands(scale, row_scale, col_scale, *, rows_pad=None,
+                   cols_pad: int = 0, lead=()):
+  """The kernel's scale operands in `ScaleOperands` order: the scalar as
+  `(1,)`, the vectors' last axis zero-padded (rows `rows_pad(vector)`, which
+  pads and flattens a row vector as its collective numbers rows; columns by
+  `cols_pad`)."""
+  keep = ((0, 0),) * len(lead)
+  operands = []
+  if scale is not None:
+    operands.append(scale.reshape(1))
+  if row_scale is not None:
+    operands.append(rows_pad(row_scale))
+  if col_scale is not None:
+    operands.append(jnp.pad(col_scale, keep + ((0, cols_pad),))
+                    if cols_pad else col_scale)
+  return tuple(operands)
+
+
 # ------------------------------------------- the skeleton both kernels run
 
 
@@ -251,7 +331,11 @@ class Tile:
     scratch: the collective's shared-memory scratch (`ring_tile_loop`'s
       `scratch`).
     scale: the f32 scalar the accumulator is multiplied by in the epilogue
-      (`ring_tile_loop`'s `scale_ref`, loaded once per block), or None.
+      (`ring_tile_loop`'s `scales.scalar`, loaded once per block), or None.
+    row_scales, col_scales: this rank's f32 row and column scale vectors in
+      global memory (`ring_tile_loop`'s `scales`), or None.
+    scale_row: where the CTA tile's rows start in `row_scales` (the
+      collective's `scale_row` hook), where row scales are given.
   """
 
   grid: TileGrid
@@ -268,6 +352,9 @@ class Tile:
   out_smem: Any
   scratch: dict[str, Any]
   scale: Any = None
+  row_scales: Any = None
+  col_scales: Any = None
+  scale_row: Any = None
 
   @property
   def owner(self):
@@ -298,10 +385,21 @@ class Tile:
     return 2 if self.grid.config.pingpong else 1
 
   def accumulator(self, acc_ref):
-    """The warpgroup's f32 accumulator, scaled (`scale`), in the out dtype."""
+    """The warpgroup's f32 accumulator, scaled (`scale`, then row i's
+    `row_scales` entry and column j's `col_scales` entry), in the out
+    dtype."""
     acc = acc_ref[...]
     if self.scale is not None:
       acc = acc * self.scale
+    config = self.grid.config
+    if self.row_scales is not None:
+      first = self.scale_row + (self.grid.wg_idx * config.tile_m
+                                if config.splits("m") else 0)
+      acc = acc * _broadcast_scales(self.row_scales, first, acc.shape, 0)
+    if self.col_scales is not None:
+      first = self.n_idx * config.cta_tile_n + (
+          self.grid.wg_idx * config.tile_n if config.splits("n") else 0)
+      acc = acc * _broadcast_scales(self.col_scales, first, acc.shape, 1)
     return acc.astype(self.out_ref.dtype)
 
   def slot(self, i):
@@ -344,6 +442,20 @@ class Tile:
     acc = self.accumulator(acc_ref)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     self.store_accumulator(acc, self.to_output)
+
+
+def _broadcast_scales(vector_ref, first, shape, axis):
+  """`vector_ref[first:first + shape[axis]]` broadcast to `shape` along the
+  other axis, in the WGMMA accumulator's layout: loaded straight from
+  global memory into the registers that hold those rows (`axis` 0) or
+  columns (1) of the accumulator, no shared memory or barrier. Each
+  thread loads the entries of its own rows or columns: 2 rows of every
+  64 (`tile_m / 32` scales), 2 columns of every 8 (`tile_n / 4`)."""
+  # (`plgpu.load` with a layout is this cast, but its signature changed
+  # between JAX 0.10 and 0.12.)
+  vector = plgpu.layout_cast(vector_ref.at[pl.ds(first, shape[axis])][...],
+                             plgpu.Layout.WGMMA.reduce(1 - axis))
+  return lax.broadcast_in_dim(vector, shape, (axis,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +505,7 @@ def persistent_loop(total: int, num_blocks, block):
 def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
                    begin_tile, delay_release, k_order=None, scratch=None,
                    num_blocks: int | None = None, weight_k_major: bool = False,
-                   scale_ref=None):
+                   scales: ScaleRefs = ScaleRefs(), scale_row=None):
   """The body both ring kernels run: one persistent loop over the tiles of
   all D ring steps, each tile a warp-specialized pipeline (allocated once)
   accumulating into f32 registers, then an epilogue through two
@@ -417,8 +529,11 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
     num_blocks: run the tiles on the first `num_blocks` blocks only (the
       others are the collective's, e.g. dedicated senders); default all.
     weight_k_major: B is `[n, k]`; its k blocks are multiplied transposed.
-    scale_ref: a `(1,)` f32 in global memory that every accumulator is
-      multiplied by in the epilogue (`Tile.accumulator`), or None.
+    scales: the scale operands (`ScaleRefs`; the vectors this rank's
+      views) the epilogue multiplies every accumulator by
+      (`Tile.accumulator`).
+    scale_row: `scale_row(step, m_idx, block) -> row`: where a CTA tile's
+      rows start in `scales.rows` (needed with row scales).
   """
   config = grid.config
   dtype, out_dtype = a_ref.dtype, out_ref.dtype
@@ -469,7 +584,7 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
       chain_slots_free(pipeline_allocs, wg_idx, config.max_concurrent_steps,
                        pingpong=config.pingpong)
     # Read once per block; every epilogue multiplies by it.
-    scale = None if scale_ref is None else scale_ref[0]
+    scale = None if scales.scalar is None else scales.scalar[0]
     total = grid.axis_size * grid.m_iters * grid.n_iters
     if num_blocks is None and ring.whole_grid():
       loop = plgpu.nd_loop((total,), collective_axes=peers.GRID_AXIS)
@@ -493,7 +608,10 @@ def ring_tile_loop(grid: TileGrid, a_ref, b_ref, out_ref, *, ring, row_block,
       tile = Tile(grid=grid, step=step, m_idx=m_idx, n_idx=n_idx,
                   block=block, out_rows=out_rows, cta_n=cta_n, wg_m=wg_m,
                   wg_n=wg_n, loop_info=loop_info, out_ref=out_ref,
-                  out_smem=out_smem, scratch=scratch_refs, scale=scale)
+                  out_smem=out_smem, scratch=scratch_refs, scale=scale,
+                  row_scales=scales.rows, col_scales=scales.cols,
+                  scale_row=(None if scales.rows is None else
+                             scale_row(step, m_idx, block)))
       hooks = begin_tile(tile)
       epilogue = hooks.epilogue or tile.store_to_output
 
