@@ -36,6 +36,7 @@ from collective_matmul.selection.applicability import command_buffer_reason
 from collective_matmul.selection.applicability import config_reason
 from collective_matmul.selection.applicability import operand_reason
 from collective_matmul.selection.applicability import process_layout_reason
+from collective_matmul.selection.applicability import scales_reason
 from collective_matmul.selection.applicability import served_dtype_reason
 from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.applicability import too_small_reason
@@ -100,7 +101,7 @@ __all__ = [
     "padding", "supports_rows_per_batch",
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
     "COMMAND_BUFFER_FLAG", "SMALL_BOXES", "unsupported_reason",
-    "operand_reason", "config_reason", "command_buffer_reason", "process_layout_reason",
+    "operand_reason", "scales_reason", "config_reason", "command_buffer_reason", "process_layout_reason",
     "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",
