@@ -54,7 +54,7 @@ def _check_operands(x, w, axis, axis_arg):
 
 def _plan(collective: Collective, x, w, axis, axis_name, impl,
           kernel_config, bidirectional, backward_impl, preferred_element_type,
-          plan, rowwise):
+          plan, rowwise=False):
   """The plan a public op runs: the caller's `plan`, else `selection.choose`
   for these operands from `impl` (and `kernel_config`, `bidirectional`,
   `backward_impl`)."""
@@ -245,8 +245,9 @@ def _collective_op(collective: Collective, x, w, axis_name, axis, axis_arg,
                   else preferred_element_type)
   scale = primitives.check_scale(scales.scale, result_dtype, axis_name)
   row_scale, col_scale = primitives.check_vector_scales(
-      scales.row_scale, scales.col_scale, x.shape, w.shape, result_dtype,
-      collective, axis_name)
+      scales.row_scale, scales.col_scale, x.shape[:-1], w.shape[1:],
+      result_dtype, collective, axis_name,
+      operands=f"x{tuple(x.shape)} and w{tuple(w.shape)}")
   plan = _plan(collective, x, w, axis, axis_name, impl, kernel_config,
                bidirectional, backward_impl, preferred_element_type, plan,
                rowwise=row_scale is not None or col_scale is not None)

@@ -135,20 +135,23 @@ def _check_float_result(what, result_dtype):
         "a floating-point preferred_element_type")
 
 
-def check_vector_scales(row_scale, col_scale, x_shape, w_shape, result_dtype,
-                        collective: Collective, axis_name=None):
+def check_vector_scales(row_scale, col_scale, row_shape, col_shape,
+                        result_dtype, collective: Collective,
+                        axis_name=None, operands="x and w"):
   """`row_scale` and `col_scale` as they enter (the ops, the drop-in):
-  None, or float32 arrays of shape `x_shape[:-1]` (one per row of the
-  local x) and `(w_shape[-1],)` (one per local column of w); a ValueError
-  naming the bad one otherwise, with an integer result (as `check_scale`),
-  and, for the reduce-scatter (every device scales its partial product of
-  the same rows and columns), for one typed as varying over `axis_name`.
-  Their values are not checked (they are traced): a zero entry zeroes its
-  row or column, a negative one flips its sign, a NaN makes it NaN, as
-  `acc * row_scale[i] * col_scale[j]` does."""
+  None, or float32 arrays of shapes `row_shape` (the rows of the lhs: the
+  ops' `x.shape[:-1]`) and `col_shape` (the columns of the rhs); a
+  ValueError naming the bad one otherwise (`operands` names the operands),
+  with an integer result (as `check_scale`), and, for the reduce-scatter
+  (every device scales its partial product of the same rows and columns),
+  for one typed as varying over `axis_name`. Their values are not checked
+  (they are traced): a zero entry zeroes its row or column, a negative one
+  flips its sign, a NaN makes it NaN, as `acc * row_scale[i] *
+  col_scale[j]` does."""
   checked = []
-  for name, value, shape in (("row_scale", row_scale, tuple(x_shape[:-1])),
-                             ("col_scale", col_scale, (w_shape[-1],))):
+  for name, value, shape, what in (
+      ("row_scale", row_scale, tuple(row_shape), "one per row"),
+      ("col_scale", col_scale, tuple(col_shape), "one per column")):
     if value is None:
       checked.append(None)
       continue
@@ -156,9 +159,7 @@ def check_vector_scales(row_scale, col_scale, x_shape, w_shape, result_dtype,
     if value.shape != shape or value.dtype != jnp.float32:
       raise ValueError(
           f"{name} of shape {value.shape} and dtype {value.dtype}: expected "
-          f"float32 of shape {shape} (one per "
-          f"{'row of x' if name == 'row_scale' else 'column of w'}"
-          f"{tuple(x_shape) if name == 'row_scale' else tuple(w_shape)})")
+          f"float32 of shape {shape} ({what} of the product of {operands})")
     _check_float_result(name, result_dtype)
     if (collective == Collective.REDUCE_SCATTER and axis_name is not None
         and _varies_over(value, axis_name)):

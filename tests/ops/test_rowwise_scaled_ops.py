@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import collective_matmul as cm
+from collective_matmul import override
 from cm_test_utils import mesh_1d, normal
 
 D, M, K, N = 4, 8, 64, 16
@@ -234,16 +235,17 @@ def test_vmap_of_the_rowwise_op_and_its_grad_matches_xla(collective, mapped,
   _assert_all_close(got, want)
 
 
+@pytest.mark.parametrize("policy", ["dots_saveable", "nothing_saveable"])
 @pytest.mark.parametrize("collective", sorted(OPS))
-def test_checkpoint_of_the_rowwise_op_gives_the_same_gradients(collective,
-                                                               keys):
+def test_checkpoint_of_the_rowwise_op_gives_xla_s_gradients(collective,
+                                                            policy, keys):
   mesh, x, w, r, c = _operands(keys, collective)
-  f = _ours(collective, mesh)
-  loss = lambda g: lambda *a: jnp.sum(jnp.square(g(*a)))
-  got = jax.jit(jax.grad(loss(jax.checkpoint(
-      f, policy=jax.checkpoint_policies.dots_saveable)), (0, 1)))(x, w, r, c)
-  want = jax.jit(jax.grad(loss(f), (0, 1)))(x, w, r, c)
-  _assert_all_close(got, want)
+  remat = jax.checkpoint(_ours(collective, mesh),
+                         policy=getattr(jax.checkpoint_policies, policy))
+  square_sum = lambda f: lambda *a: jnp.sum(jnp.square(f(*a)))
+  _assert_all_close(
+      jax.jit(jax.grad(square_sum(remat), (0, 1)))(x, w, r, c),
+      jax.grad(square_sum(_xla(collective, mesh)), (0, 1))(x, w, r, c))
 
 
 # ------------------------------------------------------------- bad input
@@ -330,3 +332,58 @@ def test_zero_negative_and_nan_scales_act_on_their_row_or_column_only(
   np.testing.assert_allclose(y[finite], ref[finite], rtol=1e-5,
                              atol=1e-5 * np.abs(ref[finite]).max())
 
+
+
+# ------------------------------------------------------------- the drop-in
+
+DIMS = (((2,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_drop_in_refuses_rowwise_scales_with_an_integer_result(enabled,
+                                                                   keys):
+  x = jnp.ones((2, 8, 4), jnp.int32)
+  w = jnp.ones((4, 6), jnp.int32)
+  with cm.config_context(enabled=enabled), pytest.raises(
+      ValueError, match="col_scale with a int32 result.*truncat"):
+    override.collective_dot_general(x, w, DIMS,
+                                    col_scale=_scales(keys, (6,)))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("bad,match", [
+    ("row", r"row_scale of shape \(2, 9\) .* shape \(2, 8\) \(one per row "
+            r"of the product of lhs\(2, 8, 4\)"),
+    ("col", r"col_scale of shape \(6,\) and dtype bfloat16"),
+    ("batch", "row_scale / col_scale with batch dimensions")])
+def test_the_drop_in_refuses_scales_that_are_not_the_product_s(
+    enabled, bad, match, keys):
+  x = normal(keys(), (2, 8, 4), jnp.float32)
+  w = normal(keys(), (4, 6), jnp.float32)
+  row, col, dims = _scales(keys, (2, 8)), _scales(keys, (6,)), DIMS
+  if bad == "row":
+    row = _scales(keys, (2, 9))
+  elif bad == "col":
+    col = col.astype(jnp.bfloat16)
+  else:
+    x, w = x[None], jnp.broadcast_to(w, (1, 4, 6))
+    dims, row, col = (((3,), (1,)), ((0,), (0,))), row[None], col[None]
+  with cm.config_context(enabled=enabled), pytest.raises(ValueError,
+                                                         match=match):
+    override.collective_dot_general(x, w, dims, row_scale=row,
+                                    col_scale=col)
+
+
+def test_the_drop_in_left_to_xla_scales_the_product_as_qwix_does(keys):
+  """Plugin off (and a call it leaves to XLA): `lax.dot_general`'s result
+  times the row scales over the lhs's free dimensions and the column
+  scales over the rhs's."""
+  x = normal(keys(), (2, 8, 4), jnp.float32)
+  w = normal(keys(), (4, 3, 2), jnp.float32)
+  row, col = _scales(keys, (2, 8)), _scales(keys, (3, 2))
+  got = override.collective_dot_general(x, w, DIMS, row_scale=row,
+                                        col_scale=col)
+  want = (np.einsum("bsk,khd->bshd", _exact(x), _exact(w))
+          * _exact(row)[..., None, None] * _exact(col))
+  np.testing.assert_allclose(_exact(got), want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
