@@ -92,12 +92,13 @@ def operand_reason(problem: Problem) -> str | None:
 
 
 def scales_reason(problem: Problem) -> str | None:
-  """Why the kernels cannot apply `problem`'s scales, or None: they apply
-  one scale per tensor in their epilogue, not per row and column (the
-  one rule to change when they take `row_scale` / `col_scale`)."""
+  """Why the kernels may not apply `problem`'s scales, or None: a rowwise
+  problem (row and column scales) stays off them until their row and
+  column scales have run on a GPU (the dispatch already hands them
+  `row_scale` / `col_scale`: this is the one rule to change)."""
   if problem.rowwise:
-    return ("rowwise fp8 scales: the Hopper kernels take one scale per "
-            "tensor")
+    return ("rowwise fp8 scales: not served by the Hopper kernels yet "
+            "(their row and column scales have not run on a GPU)")
   return None
 
 
