@@ -156,18 +156,20 @@ class Fp8Dots:
   config: config_lib.CollectiveMatmulConfig | None = None
 
   def forward(self, q_lhs, q_rhs, dimension_numbers, preferred_element_type,
-              scale):
-    """The dequantized product `q_lhs x q_rhs` times `scale`."""
+              scale, row_scale=None, col_scale=None):
+    """The dequantized product `q_lhs x q_rhs` times `scale` (and the row
+    and column scales: `override.collective_dot_general`'s)."""
     return override.collective_dot_general(
         q_lhs, q_rhs, dimension_numbers, lax.Precision.DEFAULT,
         preferred_element_type, self.out_sharding, lhs_axes=self.lhs_axes,
         rhs_axes=self.rhs_axes, out_axes=self.out_axes, name=self.name,
-        config=self.config, scale=scale)
+        config=self.config, scale=scale, row_scale=row_scale,
+        col_scale=col_scale)
 
   def dgrad(self, q_g, q_lhs, q_rhs, dimension_numbers,
-            preferred_element_type, scale):
-    """The lhs's gradient, `q_g x q_rhs` times `scale` (dequantized), in
-    the lhs's layout."""
+            preferred_element_type, scale, row_scale=None):
+    """The lhs's gradient, `q_g x q_rhs` times `scale` (and `row_scale`,
+    one per row of `q_g`), dequantized, in the lhs's layout."""
     dims, perm = _transpose_dims(dimension_numbers, q_lhs.ndim, q_rhs.ndim)
     out_sharding = out_axes = None
     if self.lhs_axes is not None:
@@ -179,7 +181,7 @@ class Fp8Dots:
         out_sharding, lhs_axes=self.grad_axes, rhs_axes=self.rhs_axes,
         out_axes=out_axes, name=None if self.name is None
         else self.name + record.GRADIENT_SUFFIX, config=self.config,
-        scale=scale)
+        scale=scale, row_scale=row_scale)
     return lax.transpose(product, tuple(np.argsort(perm)))
 
   def wgrad(self, q_g, q_lhs, q_rhs, dimension_numbers,
@@ -259,6 +261,22 @@ def _tuple_or_none(axes):
   return None if axes is None else tuple(axes)
 
 
+def make_dots(dimension_numbers, out_sharding, lhs_axes, rhs_axes, out_axes,
+              result_axes, name, config) -> Fp8Dots:
+  """The `Fp8Dots` of one fp8 matmul from its caller's arguments (those of
+  `fp8_scaled_dot_general`), the cotangent's logical names resolved."""
+  if (lhs_axes is None) != (rhs_axes is None):
+    raise ValueError("give both lhs_axes and rhs_axes, or neither")
+  lhs_axes, rhs_axes = _tuple_or_none(lhs_axes), _tuple_or_none(rhs_axes)
+  out_axes = _tuple_or_none(out_axes)
+  cfg = config or config_lib.get_config()
+  grad_axes = _tuple_or_none(result_axes) or out_axes
+  if lhs_axes is not None and cfg.enabled and grad_axes is None:
+    grad_axes = cotangent_axes(lhs_axes, rhs_axes, dimension_numbers)
+  return Fp8Dots(lhs_axes, rhs_axes, out_axes, grad_axes, out_sharding,
+                 name, config)
+
+
 def fp8_scaled_dot_general(
     lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
     out_sharding=None, *, lhs_scale, rhs_scale, grad_scale,
@@ -301,16 +319,8 @@ def fp8_scaled_dot_general(
     config: a `CollectiveMatmulConfig` instead of the active one.
   """
   del precision  # Flax sets the products' precision itself.
-  if (lhs_axes is None) != (rhs_axes is None):
-    raise ValueError("give both lhs_axes and rhs_axes, or neither")
-  lhs_axes, rhs_axes = _tuple_or_none(lhs_axes), _tuple_or_none(rhs_axes)
-  out_axes = _tuple_or_none(out_axes)
-  cfg = config or config_lib.get_config()
-  grad_axes = _tuple_or_none(result_axes) or out_axes
-  if lhs_axes is not None and cfg.enabled and grad_axes is None:
-    grad_axes = cotangent_axes(lhs_axes, rhs_axes, dimension_numbers)
-  dots = Fp8Dots(lhs_axes, rhs_axes, out_axes, grad_axes, out_sharding,
-                 name, config)
+  dots = make_dots(dimension_numbers, out_sharding, lhs_axes, rhs_axes,
+                   out_axes, result_axes, name, config)
   q_lhs, new_lhs_scale = fp8_ops.in_q(quantize_compute_type, _E4M3, lhs,
                                       lhs_scale, lhs_amax_history)
   q_rhs, new_rhs_scale = fp8_ops.in_q(quantize_compute_type, _E4M3, rhs,

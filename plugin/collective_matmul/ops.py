@@ -54,7 +54,7 @@ def _check_operands(x, w, axis, axis_arg):
 
 def _plan(collective: Collective, x, w, axis, axis_name, impl,
           kernel_config, bidirectional, backward_impl, preferred_element_type,
-          plan):
+          plan, rowwise=False):
   """The plan a public op runs: the caller's `plan`, else `selection.choose`
   for these operands from `impl` (and `kernel_config`, `bidirectional`,
   `backward_impl`)."""
@@ -77,7 +77,8 @@ def _plan(collective: Collective, x, w, axis, axis_name, impl,
       jnp.dtype(x.dtype), axis_size,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type),
-      None if w.dtype == x.dtype else jnp.dtype(w.dtype), rows_per_batch)
+      None if w.dtype == x.dtype else jnp.dtype(w.dtype), rows_per_batch,
+      rowwise)
   device = selection.device_facts()
   options = selection.Options(
       bidirectional=True if bidirectional is None else bidirectional)
@@ -127,7 +128,22 @@ _PLAN_ARGS_DOC = """
       the product of the operands' per-tensor scales; the kernels apply it
       in their epilogue). Differentiable: the gradients of x and w are scaled by
       it, and its own derivative is the unscaled product, computed again
-      (in the result's dtype) only where the scale's gradient is taken."""
+      (in the result's dtype) only where the scale's gradient is taken.
+    row_scale, col_scale: None, or float32 vectors: one per row of the
+      local `x` (shape `x.shape[:-1]`) and one per column of the local `w`
+      (`[n]`); entry `[i, j]` of the float32 accumulation is multiplied by
+      `row_scale[i] * col_scale[j]` (and `scale`) before the cast
+      (rowwise fp8: Qwix's per-row activation and per-column weight
+      scales). Their values are used as given (a zero zeroes its row or
+      column, a NaN makes it NaN). The all-gather carries each shard's row
+      scales with its rows; for the matmul + reduce-scatter both are the
+      same on every device (one typed as varying over the axis is
+      refused). Not served by the Hopper kernels yet
+      (`selection.scales_reason`): `pallas` refuses them, `auto` runs
+      XLA's GEMM on Hopper. Differentiable
+      in x and w (their gradients scaled correspondingly); the scales are
+      constants of differentiation (zero gradient, no tangent), as Qwix's
+      `dot_general_qt` treats its scales."""
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
@@ -137,9 +153,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
                       kernel_config=None, save_gathered: bool = True,
                       backward_impl: Impl | str | None = None,
                       plan: plan_lib.KernelPlan | None = None,
-                      scale=None):
+                      scale=None, row_scale=None, col_scale=None):
   """`all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w`, overlapped
-  (times `scale`).
+  (times the scales).
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
@@ -164,16 +180,11 @@ def all_gather_matmul(x, w, axis_name, *, gather_axis: int = 0,
   Returns:
     `[..., n]` with `gather_axis` D times longer, blocks in axis-index order.
   """
-  _check_operands(x, w, gather_axis, "gather_axis")
-  scale = primitives.check_scale(
-      scale, x.dtype if preferred_element_type is None
-      else preferred_element_type, axis_name)
-  plan = _plan(Collective.ALL_GATHER, x, w, gather_axis, axis_name, impl,
-               kernel_config, bidirectional, backward_impl,
-               preferred_element_type, plan)
-  return primitives.collective_matmul(x, w, primitives.Static(
-      Collective.ALL_GATHER, axis_name, gather_axis, plan, precision,
-      preferred_element_type, save_gathered), scale=scale)[0]
+  return _collective_op(
+      Collective.ALL_GATHER, x, w, axis_name, gather_axis, "gather_axis",
+      impl, bidirectional, precision, preferred_element_type, kernel_config,
+      save_gathered, backward_impl, plan,
+      primitives.Scales(scale, row_scale, col_scale))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
@@ -183,9 +194,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
                           kernel_config=None, save_gathered: bool = True,
                           backward_impl: Impl | str | None = None,
                           plan: plan_lib.KernelPlan | None = None,
-                          scale=None):
+                          scale=None, row_scale=None, col_scale=None):
   """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_axis,
-  tiled=True)`, overlapped (times `scale`).
+  tiled=True)`, overlapped (times the scales).
 
   Use inside `shard_map`. Differentiable (`jax.grad` gives the same dx and
   dw as through the baseline). The backward computes
@@ -217,16 +228,34 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_axis: int = 0,
     `[..., n]` with `scatter_axis` D times shorter: row block d of the sum
     over the axis, on device d.
   """
-  _check_operands(x, w, scatter_axis, "scatter_axis")
-  scale = primitives.check_scale(
-      scale, x.dtype if preferred_element_type is None
-      else preferred_element_type, axis_name)
-  plan = _plan(Collective.REDUCE_SCATTER, x, w, scatter_axis, axis_name,
-               impl, kernel_config, bidirectional, backward_impl,
-               preferred_element_type, plan)
+  return _collective_op(
+      Collective.REDUCE_SCATTER, x, w, axis_name, scatter_axis,
+      "scatter_axis", impl, bidirectional, precision, preferred_element_type,
+      kernel_config, save_gathered, backward_impl, plan,
+      primitives.Scales(scale, row_scale, col_scale))
+
+
+def _collective_op(collective: Collective, x, w, axis_name, axis, axis_arg,
+                   impl, bidirectional, precision, preferred_element_type,
+                   kernel_config, save_gathered, backward_impl, plan,
+                   scales: primitives.Scales):
+  """A public op: its operands and scales checked, its plan, its
+  primitive."""
+  _check_operands(x, w, axis, axis_arg)
+  result_dtype = (x.dtype if preferred_element_type is None
+                  else preferred_element_type)
+  scale = primitives.check_scale(scales.scale, result_dtype, axis_name)
+  row_scale, col_scale = primitives.check_vector_scales(
+      scales.row_scale, scales.col_scale, x.shape[:-1], w.shape[1:],
+      result_dtype, collective, axis_name,
+      operands=f"x{tuple(x.shape)} and w{tuple(w.shape)}")
+  plan = _plan(collective, x, w, axis, axis_name, impl, kernel_config,
+               bidirectional, backward_impl, preferred_element_type, plan,
+               rowwise=row_scale is not None or col_scale is not None)
   return primitives.collective_matmul(x, w, primitives.Static(
-      Collective.REDUCE_SCATTER, axis_name, scatter_axis, plan, precision,
-      preferred_element_type, save_gathered), scale=scale)[0]
+      collective, axis_name, axis, plan, precision, preferred_element_type,
+      save_gathered), scale=scale, row_scale=row_scale,
+      col_scale=col_scale)[0]
 
 
 all_gather_matmul.__doc__ = all_gather_matmul.__doc__.format(

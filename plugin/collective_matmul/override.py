@@ -34,13 +34,22 @@ from collective_matmul.plan import KernelPlan
 from collective_matmul.record import Decision
 
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-           out_sharding, scale=None):
-  """`lax.dot_general`; with `scale`, its result times the scale in the
-  result's dtype (as Flax's fp8 `dequantize` does after its product)."""
+           out_sharding, scales=primitives.Scales()):
+  """`lax.dot_general`; with scales, its result times them in the result's
+  dtype (as Flax's fp8 `dequantize` and Qwix's `dot_general` do after their
+  product): the row scales over the lhs's free dimensions, the column
+  scales over the rhs's, then the scalar."""
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
   out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                         preferred_element_type=preferred_element_type,
                         **kwargs)
+  scale, row_scale, col_scale = scales
+  if row_scale is not None:
+    out = out * row_scale.reshape(
+        row_scale.shape + (1,) * (out.ndim - row_scale.ndim)).astype(
+            out.dtype)
+  if col_scale is not None:
+    out = out * col_scale.astype(out.dtype)
   return out if scale is None else out * scale.astype(out.dtype)
 
 
@@ -53,7 +62,7 @@ def _collective_axis(match, lhs_free) -> int:
 
 
 def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
-                preferred_element_type) -> KernelPlan:
+                preferred_element_type, rowwise=False) -> KernelPlan:
   """The kernel plan for a matched pattern: `selection.choose` from the
   configuration, the per-shard problem the kernels would see (the lhs's
   local shard as x[free..., k], the local columns of the rhs) and the
@@ -75,7 +84,7 @@ def choose_plan(cfg, match, lhs, rhs, dimension_numbers, mesh,
       None if preferred_element_type is None
       else jnp.dtype(preferred_element_type),
       None if rhs.dtype == lhs.dtype else jnp.dtype(rhs.dtype),
-      rows_per_batch)
+      rows_per_batch, rowwise)
   return selection.choose(
       cfg.impl, match.collective, problem, selection.device_facts(mesh),
       selection.Options(fallback_impl=cfg.fallback_impl,
@@ -103,13 +112,17 @@ def _canonical_rhs(rhs_block, rhs_contract):
 
 def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
             dimension_numbers, precision, preferred_element_type,
-            save_gathered: bool, scale=None) -> list[jax.Array]:
+            save_gathered: bool, scales=primitives.Scales()
+            ) -> list[jax.Array]:
   """Matched `dot_general`s of one activation as ONE collective op in a
   `shard_map`, as `kernel_plan` says: one call as its own pattern; several
   (all-gather matches of the same activation over the same axis) over
   their weights' local columns concatenated inside the `shard_map` (each
   device concatenates its own shards, so no weight moves), split after.
-  `scale`: the op's (an f32 scalar, replicated), or None.
+  `scales`: the op's (`primitives.Scales`: the f32 scalar, replicated;
+  row scales of the lhs's free dimensions, laid out as its rows; column
+  scales of the rhs's free dimensions, laid out as its columns; one call
+  only), each or None.
 
   Returns:
     One result per call, in order.
@@ -120,19 +133,27 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
   lhs_free = [d for d in range(first.lhs.ndim) if d not in lhs_contract]
   if match.collective == Collective.REDUCE_SCATTER and len(calls) > 1:
     raise ValueError("only all-gather matches share one collective matmul")
+  if len(calls) > 1 and (scales.row_scale is not None
+                         or scales.col_scale is not None):
+    raise ValueError("row and column scales are one call's")
+  rhs_free = [d for d in range(first.rhs.ndim) if d not in rhs_contract]
   static = primitives.Static(
       match.collective, match.axis, _collective_axis(match, lhs_free),
       kernel_plan, precision, preferred_element_type, save_gathered)
 
-  def body(lhs_block, *rhs_blocks):
-    scale_block = None
-    if scale is not None:
-      *rhs_blocks, scale_block = rhs_blocks
+  def body(lhs_block, *blocks):
+    rhs_blocks = blocks[:len(calls)]
+    scale, row_scale, col_scale = primitives.Scales.of(
+        scales.present, blocks[len(calls):])
     x = _canonical_lhs(lhs_block, lhs_contract)
     ws, free_shapes = zip(*(_canonical_rhs(block, rhs_contract)
                             for block in rhs_blocks))
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
-    y = primitives.collective_matmul(x, w, static, scale=scale_block)[0]
+    if col_scale is not None:
+      col_scale = col_scale.reshape(-1)
+    y = primitives.collective_matmul(x, w, static, scale=scale,
+                                     row_scale=row_scale,
+                                     col_scale=col_scale)[0]
     parts = ([y] if len(ws) == 1 else
              jnp.split(y, np.cumsum([w.shape[1] for w in ws])[:-1], axis=-1))
     return tuple(part.reshape(part.shape[:-1] + free_shape)
@@ -140,20 +161,28 @@ def rewrite(calls: Sequence[CallPlan], kernel_plan: KernelPlan,
 
   to_p = patterns.spec_to_partition_spec
   lhs, rhss = first.lhs, [call.rhs for call in calls]
+  # The scales are laid out as what they scale: the row scales as the lhs's
+  # free dimensions, the column scales as the rhs's.
+  scale_specs = [to_p(spec) for spec, given in zip(
+      ((), tuple(match.lhs_spec[d] for d in lhs_free),
+       tuple(match.rhs_spec[d] for d in rhs_free)), scales.present)
+                 if given]
+  scale_arrays = scales.arrays()
   if mode == "explicit":
     # Explicit types must equal shard_map's in_specs: drop the size-1 axes
     # (no data moves) and gather the weight over the axes the match says.
     lhs = jax.sharding.reshard(lhs, to_p(match.lhs_spec))
     rhss = [jax.sharding.reshard(rhs, to_p(call.match.rhs_spec))
             for rhs, call in zip(rhss, calls)]
-  scales = () if scale is None else (scale,)
+    scale_arrays = [jax.sharding.reshard(a, spec)
+                    for a, spec in zip(scale_arrays, scale_specs)]
   outs = jax.shard_map(
       body, mesh=first.mesh,
       in_specs=(to_p(match.lhs_spec),
                 *(to_p(call.match.rhs_spec) for call in calls),
-                *(jax.sharding.PartitionSpec() for _ in scales)),
+                *scale_specs),
       out_specs=tuple(to_p(call.match.out_spec) for call in calls),
-      check_vma=False)(lhs, *rhss, *scales)
+      check_vma=False)(lhs, *rhss, *scale_arrays)
   return list(outs)
 
 
@@ -183,7 +212,7 @@ class CallPlan:
 def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
               out_sharding=None, *, lhs_axes=None, rhs_axes=None,
               out_axes=None, name=None, cfg, group_reason="",
-              choose=True) -> CallPlan:
+              choose=True, rowwise=False) -> CallPlan:
   """The decision for one `dot_general` with the plugin enabled: the
   pattern it matches and (with `choose`) the kernel plan that serves it.
   Without `choose` a match carries no plan yet (`grouping` chooses one for
@@ -198,6 +227,8 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   label = (selection.dtype_label(dtype, rhs_dtype, preferred_element_type)
            if selection.is_fp8(dtype) or selection.is_fp8(rhs_dtype)
            else str(dtype))
+  if rowwise:
+    label += " rowwise"
   decide = functools.partial(
       Decision, name=name, lhs_shape=lhs_shape, rhs_shape=rhs_shape,
       dtype=label,
@@ -291,14 +322,14 @@ def plan_call(lhs, rhs, dimension_numbers, precision, preferred_element_type,
   if not choose:
     return call
   return call.with_plan(choose_plan(cfg, match, lhs, rhs, dimension_numbers,
-                                    mesh, preferred_element_type))
+                                    mesh, preferred_element_type, rowwise))
 
 
 def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
                            preferred_element_type=None, out_sharding=None, *,
                            lhs_axes=None, rhs_axes=None, out_axes=None,
                            name=None, config=None, group_reason="",
-                           scale=None):
+                           scale=None, row_scale=None, col_scale=None):
   """`dot_general` and `logical_dot_general` with every option: the entry
   for integrations that carry the logical axes themselves (einsum, MaxText,
   the fp8 matmuls).
@@ -316,24 +347,45 @@ def collective_dot_general(lhs, rhs, dimension_numbers, precision=None,
       applied to the f32 accumulation before the cast; left to XLA (and
       with the plugin off), `lax.dot_general`'s result times the scale in
       the result's dtype, as Flax's fp8 program dequantizes it.
+    row_scale, col_scale: None, or float32 arrays shaped as the lhs's free
+      (non-contracting) dimensions and as the rhs's (rowwise fp8: Qwix's
+      per-row activation and per-column weight scales; no batch
+      dimensions): rewritten, the ops' `row_scale` / `col_scale` (entry
+      [i, j] of the f32 accumulation times row_scale[i] * col_scale[j]);
+      left to XLA (and with the plugin off), `lax.dot_general`'s result
+      times them in the result's dtype, as Qwix's `dot_general` does.
   """
   cfg = config or config_lib.get_config()
-  scale = primitives.check_scale(
-      scale, jnp.result_type(lhs) if preferred_element_type is None
-      else preferred_element_type)
+  result_dtype = (jnp.result_type(lhs) if preferred_element_type is None
+                  else preferred_element_type)
+  scale = primitives.check_scale(scale, result_dtype)
+  (lhs_contract, rhs_contract), (lhs_batch, _) = dimension_numbers
+  if (row_scale is not None or col_scale is not None) and lhs_batch:
+    raise ValueError(f"row_scale / col_scale with batch dimensions "
+                     f"{dimension_numbers}: scales are of a matmul's rows "
+                     "and columns")
+  lhs_shape, rhs_shape = jnp.shape(lhs), jnp.shape(rhs)
+  row_scale, col_scale = primitives.check_vector_scales(
+      row_scale, col_scale,
+      [n for d, n in enumerate(lhs_shape) if d not in lhs_contract],
+      [n for d, n in enumerate(rhs_shape) if d not in rhs_contract],
+      result_dtype, Collective.ALL_GATHER,
+      operands=f"lhs{tuple(lhs_shape)} and rhs{tuple(rhs_shape)}")
+  scales = primitives.Scales(scale, row_scale, col_scale)
   if not cfg.enabled:
     return _plain(lhs, rhs, dimension_numbers, precision,
-                  preferred_element_type, out_sharding, scale)
+                  preferred_element_type, out_sharding, scales)
   call = plan_call(lhs, rhs, dimension_numbers, precision,
                    preferred_element_type, out_sharding, lhs_axes=lhs_axes,
                    rhs_axes=rhs_axes, out_axes=out_axes, name=name, cfg=cfg,
-                   group_reason=group_reason)
+                   group_reason=group_reason,
+                   rowwise=row_scale is not None or col_scale is not None)
   record_lib.record(call.decision, cfg.strict, call.fallback)
   if call.match is None:
     return _plain(lhs, rhs, dimension_numbers, precision,
-                  preferred_element_type, out_sharding, scale)
+                  preferred_element_type, out_sharding, scales)
   [out] = rewrite([call], call.decision.plan, dimension_numbers, precision,
-                  preferred_element_type, cfg.save_gathered, scale)
+                  preferred_element_type, cfg.save_gathered, scales)
   if out_sharding is not None and call.decision.mode == "explicit":
     out = jax.sharding.reshard(out, out_sharding)
   return out

@@ -4,17 +4,20 @@ transformation: `jit`, `grad`/`vjp`, `jvp`/`jacfwd`/`linearize`, `vmap`,
 
 Two primitives:
 
-- `collective_matmul(x, w[, scale])`: y = all_gather(x) @ w or
-  reduce_scatter(x @ w) (`Static.collective`), optionally with all_gather(x)
-  as a second result; with a scale (`Static.scaled`), y = scale * the f32
-  accumulation, cast to the result's dtype.
+- `collective_matmul(x, w[, scale][, row_scale][, col_scale])`: y =
+  all_gather(x) @ w or reduce_scatter(x @ w) (`Static.collective`),
+  optionally with all_gather(x) as a second result; with scales
+  (`Static.scales` says which), y = the f32 accumulation times
+  row_scale[i] * col_scale[j] * scale, cast to the result's dtype.
   It carries the traced forward (`dispatch`, with the plan's impl)
   as its `impl_jaxpr`, so the kernels are traced, and their errors raised,
   where the op is called; lowering inlines that jaxpr.
-- `collective_matmul_tangent(res, w, scale?, dx?, dw?)`: its tangent,
+- `collective_matmul_tangent(res, w, scales..., dx?, dw?)`: its tangent,
   C(dx, w) + C(x, dw) for the collective matmul C, linear in (dx, dw) with
-  (res, w, scale) held (the scale's own term, dscale times the unscaled
-  product, is an ordinary product beside it). Its transpose is the
+  (res, w, scales) held (the scalar scale's own term, dscale times the
+  product without it, is an ordinary product beside it; the row and column
+  scales are constants of differentiation, as Qwix's `dot_general_qt`
+  treats its scales: no tangent, zero cotangent). Its transpose is the
   backward: dx's cotangent through the *other* collective matmul with the
   plan's backward impl, dw's from the gathered operand, once for both (the
   forward's gathered activation where `save_gathered` kept it; for the
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -60,8 +63,9 @@ class Static:
 
   `axis` is the gathered (all-gather) or scattered (reduce-scatter)
   dimension of `x`; `plan` what runs forward and backward, with each
-  implementation's config; `scaled`: a third operand, the f32 scale of the
-  product; the other fields are the call's own arguments.
+  implementation's config; `scales`: which of `Scales` (scalar, row,
+  column) follow x and w as operands; the other fields are the call's own
+  arguments.
   """
 
   collective: Collective
@@ -71,7 +75,7 @@ class Static:
   precision: Any
   preferred_element_type: Any
   save_gathered: bool
-  scaled: bool = False
+  scales: tuple[bool, bool, bool] = (False, False, False)
 
   @property
   def keeps_gathered(self) -> bool:
@@ -88,6 +92,85 @@ class Static:
                                preferred_element_type=out_dtype)
 
 
+class Scales(NamedTuple):
+  """The f32 scales of one collective matmul's product, each None or an
+  array: `scale` (`()`), `row_scale` (`x.shape[:-1]`, x's rows) and
+  `col_scale` (`[n]`, w's columns)."""
+
+  scale: Any = None
+  row_scale: Any = None
+  col_scale: Any = None
+
+  @property
+  def present(self) -> tuple[bool, bool, bool]:
+    return tuple(a is not None for a in self)
+
+  def arrays(self) -> list:
+    """The given scales, in order (the primitives' operands after x, w)."""
+    return [a for a in self if a is not None]
+
+  @classmethod
+  def of(cls, present, arrays) -> Scales:
+    """The scales from the operands `arrays` where `present` says."""
+    arrays = iter(arrays)
+    return cls(*(next(arrays) if p else None for p in present))
+
+
+def _varies_over(array, axis_name) -> bool:
+  """`array` is typed as varying over (one of) `axis_name` in a checking
+  `shard_map`."""
+  aval = jax.typeof(array)
+  varying = getattr(aval, "vma", None)
+  if varying is None:  # JAX >= 0.10 keeps it in the manual axis type.
+    varying = getattr(getattr(aval, "mat", None), "varying", None) or ()
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return any(name in varying for name in names)
+
+
+def _check_float_result(what, result_dtype):
+  if not jnp.issubdtype(result_dtype, jnp.inexact):
+    raise ValueError(
+        f"{what} with a {jnp.dtype(result_dtype)} result: the scaled "
+        "accumulation is cast to it, truncating (0.5 gives zeros); ask for "
+        "a floating-point preferred_element_type")
+
+
+def check_vector_scales(row_scale, col_scale, row_shape, col_shape,
+                        result_dtype, collective: Collective,
+                        axis_name=None, operands="x and w"):
+  """`row_scale` and `col_scale` as they enter (the ops, the drop-in):
+  None, or float32 arrays of shapes `row_shape` (the rows of the lhs: the
+  ops' `x.shape[:-1]`) and `col_shape` (the columns of the rhs); a
+  ValueError naming the bad one otherwise (`operands` names the operands),
+  with an integer result (as `check_scale`), and, for the reduce-scatter
+  (every device scales its partial product of the same rows and columns),
+  for one typed as varying over `axis_name`. Their values are not checked
+  (they are traced): a zero entry zeroes its row or column, a negative one
+  flips its sign, a NaN makes it NaN, as `acc * row_scale[i] *
+  col_scale[j]` does."""
+  checked = []
+  for name, value, shape, what in (
+      ("row_scale", row_scale, tuple(row_shape), "one per row"),
+      ("col_scale", col_scale, tuple(col_shape), "one per column")):
+    if value is None:
+      checked.append(None)
+      continue
+    value = jnp.asarray(value)
+    if value.shape != shape or value.dtype != jnp.float32:
+      raise ValueError(
+          f"{name} of shape {value.shape} and dtype {value.dtype}: expected "
+          f"float32 of shape {shape} ({what} of the product of {operands})")
+    _check_float_result(name, result_dtype)
+    if (collective == Collective.REDUCE_SCATTER and axis_name is not None
+        and _varies_over(value, axis_name)):
+      raise ValueError(
+          f"{name} varies over {axis_name!r}: the matmul + reduce-scatter "
+          "scales every device's partial product of the same rows and "
+          "columns alike (pass it replicated)")
+    checked.append(value)
+  return tuple(checked)
+
+
 def check_scale(scale, result_dtype, axis_name=None):
   """`scale` as it enters (the ops, the drop-in): None, or a float32 scalar
   array; a ValueError otherwise, and for a scale that cannot act as one:
@@ -102,17 +185,8 @@ def check_scale(scale, result_dtype, axis_name=None):
   if scale.shape != () or scale.dtype != jnp.float32:
     raise ValueError(f"scale of shape {scale.shape} and dtype {scale.dtype}: "
                      "expected a float32 scalar (shape ())")
-  if not jnp.issubdtype(result_dtype, jnp.inexact):
-    raise ValueError(
-        f"scale with a {jnp.dtype(result_dtype)} result: the scaled "
-        "accumulation is cast to it, truncating (0.5 gives zeros); ask for "
-        "a floating-point preferred_element_type")
-  aval = jax.typeof(scale)
-  varying = getattr(aval, "vma", None)
-  if varying is None:  # JAX >= 0.10 keeps it in the manual axis type.
-    varying = getattr(getattr(aval, "mat", None), "varying", None) or ()
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if any(name in varying for name in names):
+  _check_float_result("scale", result_dtype)
+  if axis_name is not None and _varies_over(scale, axis_name):
     raise ValueError(
         f"scale varies over {axis_name!r}: a collective matmul's scale is "
         "the same on every device of its axis (pass it replicated)")
@@ -120,33 +194,35 @@ def check_scale(scale, result_dtype, axis_name=None):
 
 
 def _forward(static: Static, return_gathered: bool):
-  """The function `collective_matmul` runs: (x, w[, scale]) -> [y] or
+  """The function `collective_matmul` runs: (x, w, *scales) -> [y] or
   [y, all_gather(x)]."""
 
-  def run(x, w, *scale):
+  def run(x, w, *scales):
+    scales = Scales.of(static.scales, scales)
     out = dispatch.collective_matmul(
         static.collective, static.plan, x, w,
         static.axis_name, static.axis, static.precision,
-        static.preferred_element_type, return_gathered,
-        scale[0] if scale else None)
+        static.preferred_element_type, return_gathered, scales.scale,
+        row_scale=scales.row_scale, col_scale=scales.col_scale)
     return list(out) if return_gathered else [out]
   return run
 
 
 def collective_matmul(x, w, static: Static, return_gathered: bool = False,
-                      scale=None):
+                      scale=None, row_scale=None, col_scale=None):
   """[y] or, with `return_gathered` (all-gather only), [y, all_gather(x)];
-  with `scale` (an f32 scalar), y is scale times the f32 accumulation.
-  Inside `shard_map`, over `static.axis_name`.
+  with scales (`Scales`, each checked where it entered), y is the f32
+  accumulation times them. Inside `shard_map`, over `static.axis_name`.
 
   The forward is traced here, once: a rule that binds the primitive again
   with the same operands passes this trace on (an all-gather matmul that
   keeps its gathered operand returns it from the start, unused unless
   differentiated, so its JVP need not trace again)."""
   return_gathered = return_gathered or static.keeps_gathered
-  if static.scaled != (scale is not None):
-    static = dataclasses.replace(static, scaled=scale is not None)
-  operands = (x, w) if scale is None else (x, w, scale)
+  scales = Scales(scale, row_scale, col_scale)
+  if static.scales != scales.present:
+    static = dataclasses.replace(static, scales=scales.present)
+  operands = (x, w, *scales.arrays())
   impl_jaxpr = jax.make_jaxpr(_forward(static, return_gathered))(*operands)
   return collective_matmul_p.bind(*operands, static=static,
                                   return_gathered=return_gathered,
@@ -170,10 +246,12 @@ mlir.register_lowering(collective_matmul_p,
 
 def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
                            impl_jaxpr):
-  x, w, *scale = primals
-  dx, dw, *dscale = (None if type(t) is ad.Zero else t for t in tangents)
-  scale = scale[0] if scale else None
-  dscale = dscale[0] if dscale else None
+  x, w, *scales = primals
+  scales = Scales.of(static.scales, scales)
+  dx, dw, *dscales = (None if type(t) is ad.Zero else t for t in tangents)
+  # The row and column scales' tangents are dropped: constants of
+  # differentiation (module docstring).
+  dscale = Scales.of(static.scales, dscales).scale
   outs = collective_matmul_p.bind(*primals, static=static,
                                   return_gathered=return_gathered,
                                   impl_jaxpr=impl_jaxpr)
@@ -185,13 +263,14 @@ def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
   dy = None
   if dx is not None or dw is not None:
     dy = tangent(outs[1] if use_gathered else x, w, dx, dw, static,
-                 gathered=use_gathered, out_aval=y_aval, scale=scale)
+                 gathered=use_gathered, out_aval=y_aval, scales=scales)
   if dscale is not None:
-    # d(scale * acc) / d scale = acc: the unscaled product (run again, in
-    # the result's dtype, only where the scale's tangent is not zero).
+    # d(scale * acc) / d scale = acc: the product without the scalar scale
+    # (run again, in the result's dtype, only where the scale's tangent is
+    # not zero).
     unscaled = collective_matmul(
-        x, w, dataclasses.replace(static, scaled=False,
-                                  save_gathered=False))[0]
+        x, w, dataclasses.replace(static, save_gathered=False),
+        row_scale=scales.row_scale, col_scale=scales.col_scale)[0]
     acc_dtype = ring.accumulation_dtype(y_aval.dtype)
     term = (unscaled.astype(acc_dtype)
             * dscale.astype(acc_dtype)).astype(y_aval.dtype)
@@ -210,38 +289,55 @@ def _collective_matmul_jvp(primals, tangents, *, static, return_gathered,
 def _collective_matmul_batch(args, dims, *, static, return_gathered,
                              impl_jaxpr):
   del impl_jaxpr
-  x, w, *scale = args
-  bx, bw, *bs = dims
-  scale = scale[0] if scale else None
-  bs = bs[0] if bs else None
-  if bw is None and bs is None:
-    # A new leading dimension of x, before the gathered/scattered one: the
-    # kernels see its rows in runs (the plan's row layouts again).
-    x = jnp.moveaxis(x, bx, 0)
+  x, w, *scales = args
+  bx, bw, *bscales = dims
+  scales = Scales.of(static.scales, scales)
+  bs, brow, bcol = Scales.of(static.scales, bscales)
+  size = next(a.shape[b] for a, b in zip(args, dims) if b is not None)
+
+  def leading(array, axis):
+    """`array` with its mapped dimension first (broadcast if unmapped)."""
+    if axis is None:
+      return jnp.broadcast_to(array, (size,) + array.shape)
+    return jnp.moveaxis(array, axis, 0)
+
+  if bw is None and bs is None and bcol is None:
+    # A new leading dimension of x (and of its row scales), before the
+    # gathered/scattered one: the kernels see its rows in runs (the plan's
+    # row layouts again).
+    x = leading(x, bx)
+    row_scale = (None if scales.row_scale is None
+                 else leading(scales.row_scale, brow))
     rows = plan_lib.kernel_rows(static.collective, x.shape, static.axis + 1,
                                 lax.axis_size(static.axis_name))
     outs = collective_matmul(
         x, w, dataclasses.replace(static, axis=static.axis + 1,
                                   plan=static.plan.for_rows(*rows)),
-        return_gathered, scale)
+        return_gathered, scales.scale, row_scale, scales.col_scale)
     return outs, [0] * len(outs)
-  if bx is None and bs is None:
-    # The mapped weights side by side: columns [k, B * n].
-    w = jnp.moveaxis(w, bw, 1)
-    k, size, n = w.shape
+  if bx is None and bs is None and brow is None:
+    # The mapped weights (and their column scales) side by side: columns
+    # [k, B * n].
+    w = jnp.moveaxis(leading(w, bw), 0, 1)
+    k, _, n = w.shape
+    col_scale = (None if scales.col_scale is None
+                 else leading(scales.col_scale, bcol).reshape(size * n))
     outs = collective_matmul(x, w.reshape(k, size * n), static,
-                             return_gathered, scale)
+                             return_gathered, scales.scale, scales.row_scale,
+                             col_scale)
     y = outs[0].reshape(outs[0].shape[:-1] + (size, n))
     return ([jnp.moveaxis(y, -2, 0)] + outs[1:],
             [0] + [None] * (len(outs) - 1))
-  # Both operands (or the scale) mapped: one collective matmul per index.
+  # Both operands (or the scalar scale) mapped: one collective matmul per
+  # index.
 
   def one(mapped):
     mapped = iter(mapped)
-    x_i, w_i, *scale_i = [next(mapped) if b is not None else a
-                          for a, b in zip(args, dims)]
-    return tuple(collective_matmul(x_i, w_i, static, return_gathered,
-                                   scale_i[0] if scale_i else None))
+    x_i, w_i, *scales_i = [next(mapped) if b is not None else a
+                           for a, b in zip(args, dims)]
+    return tuple(collective_matmul(
+        x_i, w_i, static, return_gathered,
+        *Scales.of(static.scales, scales_i)))
   outs = lax.map(one, tuple(jnp.moveaxis(a, b, 0)
                             for a, b in zip(args, dims) if b is not None))
   return list(outs), [0] * len(outs)
@@ -264,60 +360,88 @@ pe.partial_eval_jaxpr_custom_rules[collective_matmul_p] = (
 
 
 def tangent(res, w, dx, dw, static: Static, *, gathered: bool, out_aval,
-            scale=None):
+            scales: Scales = Scales()):
   """C(dx, w) + C(x, dw), linear in the tangents `dx` and `dw` (None:
-  zero, not both), with C's `scale` (held, `static.scaled`). `res` is x,
+  zero, not both), with C's `scales` (held, `static.scales`). `res` is x,
   or all_gather(x) with `gathered`; `out_aval` is y's."""
   lin = [t for t in (dx, dw) if t is not None]
-  held = (res, w) if scale is None else (res, w, scale)
   return collective_matmul_tangent_p.bind(
-      *held, *lin, static=static, has_dx=dx is not None,
+      res, w, *scales.arrays(), *lin, static=static, has_dx=dx is not None,
       has_dw=dw is not None, gathered=gathered, out_aval=out_aval)
 
 
 def _held(args, static):
-  """(res, w, scale or None, the tangents) of the tangent's operands."""
-  held = 3 if static.scaled else 2
-  return (args[0], args[1], args[2] if static.scaled else None,
+  """(res, w, `Scales`, the tangents) of the tangent's operands."""
+  held = 2 + sum(static.scales)
+  return (args[0], args[1], Scales.of(static.scales, args[2:held]),
           list(args[held:]))
+
+
+def _gathered_rows(row_scale, static):
+  """The row scales of all_gather(x), from x's (None stays None)."""
+  if row_scale is None:
+    return None
+  return lax.all_gather(row_scale, static.axis_name, axis=static.axis,
+                        tiled=True)
 
 
 def _tangent_eval(*args, static, has_dx, has_dw, gathered, out_aval):
   """The tangent in terms of `collective_matmul` (and, with `gathered`, a
   local dot): what forward mode runs, and how it is batched and
   differentiated again."""
-  res, w, scale, lin = _held(args, static)
+  res, w, scales, lin = _held(args, static)
   dx = lin.pop(0) if has_dx else None
   dw = lin.pop(0) if has_dw else None
   terms = []
   if dx is not None:
-    terms.append(collective_matmul(dx, w, static, scale=scale)[0])
+    terms.append(collective_matmul(dx, w, static, False, *scales)[0])
   if dw is not None:
     if gathered:
       terms.append(ring.local_matmul(
           res, dw, precision=static.precision,
           preferred_element_type=static.preferred_element_type,
-          scale=scale))
+          scale=scales.scale,
+          row_scale=_gathered_rows(scales.row_scale, static),
+          col_scale=scales.col_scale))
     else:
-      terms.append(collective_matmul(res, dw, static, scale=scale)[0])
+      terms.append(collective_matmul(res, dw, static, False, *scales)[0])
   out = terms[0].astype(out_aval.dtype)
   for term in terms[1:]:
     out = out + term.astype(out_aval.dtype)
   return out
 
 
+def _transposed_rows(row_scale, static, rows):
+  """The row scales of the backward's collective matmul (its lhs is y's
+  cotangent), from x's: those of all the rows (the all-gather's dx is a
+  reduce-scatter over every row), or of this device's row block (the
+  reduce-scatter's dx is an all-gather of the local block of `rows`)."""
+  if row_scale is None:
+    return None
+  if static.collective == Collective.ALL_GATHER:
+    return _gathered_rows(row_scale, static)
+  start = lax.axis_index(static.axis_name) * rows
+  return lax.dynamic_slice_in_dim(row_scale, start, rows, static.axis)
+
+
 def _tangent_transpose(ct, *args, static, has_dx, has_dw, gathered,
                        out_aval):
   """The backward: cotangents of (dx, dw) from y's cotangent `ct` (y is
-  linear in each, the scale held: both are scaled by it too)."""
+  linear in each, the scales held: both are scaled by them too; the
+  scales themselves get none)."""
   del out_aval
-  res, w, scale, lin = _held(args, static)
-  if any(ad.is_undefined_primal(a) for a in (res, w, scale)):
+  res, w, scales, lin = _held(args, static)
+  if any(ad.is_undefined_primal(a) for a in (res, w, *scales)):
     raise ValueError("collective_matmul_tangent is linear in its tangents "
                      "only")
   dx_aval = lin.pop(0).aval if has_dx else None
   dw_aval = lin.pop(0).aval if has_dw else None
   ct = ad.instantiate_zeros(ct)
+  if scales.col_scale is not None:
+    # Both gradients contract y's columns: the cotangent meets the column
+    # scales first (rounded to its dtype once).
+    ct = ring.scaled(ct.astype(ring.accumulation_dtype(ct.dtype)),
+                     col_scale=scales.col_scale).astype(ct.dtype)
   ct_b, w_t = dispatch.times_weight_transposed(ct, w)
   # An fp8 operand's cotangent is written in the cotangent's dtype and
   # rounded to fp8 once, at the end (as lax's dot_general transpose does),
@@ -325,17 +449,20 @@ def _tangent_transpose(ct, *args, static, has_dx, has_dw, gathered,
   dx_dtype = None
   if has_dx:
     dx_dtype = ct_b.dtype if is_fp8(dx_aval.dtype) else dx_aval.dtype
+  dx_rows = _transposed_rows(scales.row_scale, static,
+                             ct.shape[static.axis])
   ct_dx = ct_dw = gathered_ct = None
   if static.collective == Collective.ALL_GATHER:
     # y = all_gather(x) @ w: dx = reduce_scatter(dy @ w.T),
     # dw = all_gather(x).T @ dy.
     if has_dx:
       ct_dx = collective_matmul(ct_b, w_t, static.transposed(dx_dtype),
-                                scale=scale)[0]
+                                scale=scales.scale, row_scale=dx_rows)[0]
     if has_dw:
       x_all = res if gathered else lax.all_gather(
           res, static.axis_name, axis=static.axis, tiled=True)
-      ct_dw = dispatch.contract_leading(x_all, ct, static.precision)
+      ct_dw = dispatch.contract_leading(
+          x_all, _rows_scaled(ct, dx_rows), static.precision)
   else:
     # y = reduce_scatter(x @ w): dx = all_gather(dy) @ w.T,
     # dw = x.T @ all_gather(dy), from the gathered dy dx's all-gather
@@ -343,22 +470,33 @@ def _tangent_transpose(ct, *args, static, has_dx, has_dw, gathered,
     if has_dx:
       keep = static.save_gathered and has_dw
       outs = collective_matmul(ct_b, w_t, static.transposed(dx_dtype),
-                               return_gathered=keep, scale=scale)
+                               return_gathered=keep, scale=scales.scale,
+                               row_scale=dx_rows)
       ct_dx = outs[0]
       gathered_ct = outs[1] if keep else None
     if has_dw:
       if gathered_ct is None:
         gathered_ct = lax.all_gather(ct_b, static.axis_name,
                                      axis=static.axis, tiled=True)
-      ct_dw = dispatch.contract_leading(res, gathered_ct, static.precision)
-  if has_dw and scale is not None:
-    ct_dw = ct_dw * scale.astype(ct_dw.dtype)
+      ct_dw = dispatch.contract_leading(
+          res, _rows_scaled(gathered_ct, scales.row_scale), static.precision)
+  if has_dw and scales.scale is not None:
+    ct_dw = ct_dw * scales.scale.astype(ct_dw.dtype)
   cts = []
   if has_dx:
     cts.append(ct_dx.astype(dx_aval.dtype))
   if has_dw:
     cts.append(ct_dw.astype(dw_aval.dtype))
-  return [None] * (3 if static.scaled else 2) + cts
+  return [None] * (2 + sum(static.scales)) + cts
+
+
+def _rows_scaled(a, row_scale):
+  """`a[..., n]` times `row_scale[...]` per row in f32 (or wider), or `a`
+  without row scales."""
+  if row_scale is None:
+    return a
+  return ring.scaled(a.astype(ring.accumulation_dtype(a.dtype)),
+                     row_scale=row_scale)
 
 
 def _tangent_jvp(primals, tangents, **params):

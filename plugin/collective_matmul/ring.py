@@ -20,6 +20,15 @@ like `psum_scatter(x @ w, scatter_dimension=scatter_axis, tiled=True)`.
 float32 (or wider) accumulation is multiplied by before it is cast to the
 result's dtype, as the kernels' epilogue applies it (fp8: the product of
 the operands' per-tensor scales).
+
+`row_scale`, `col_scale`: None, or float32 vectors, one per row of `x`
+(shape `x.shape[:-1]`: the local rows) and one per column of `w` (`[n]`);
+entry `[i, j]` of the float32 accumulation is multiplied by `row_scale[i]
+* col_scale[j]` (then by `scale`) before the cast (rowwise fp8: Qwix's
+per-row activation and per-column weight scales). The all-gather ring
+passes each shard's row scales on with its rows; the reduce-scatter ring
+applies them to each partial product before it travels (every device
+holds the same row and column scales there).
 """
 from __future__ import annotations
 
@@ -48,18 +57,31 @@ class RingConfig:
       raise TypeError(f"{self.bidirectional=} must be True or False")
 
 
+def scaled(acc, scale=None, row_scale=None, col_scale=None):
+  """`acc[..., n]` times `row_scale[...]` per row, `col_scale[n]` per
+  column and the scalar `scale` (each where given), in `acc`'s dtype."""
+  if row_scale is not None:
+    acc = acc * row_scale[..., None].astype(acc.dtype)
+  if col_scale is not None:
+    acc = acc * col_scale.astype(acc.dtype)
+  if scale is not None:
+    acc = acc * scale.astype(acc.dtype)
+  return acc
+
+
 def local_matmul(x, w, *, precision=None, preferred_element_type=None,
-                 scale=None):
-  """`x[..., k] @ w[k, n]` as one `dot_general`; with `scale`, accumulated
-  in float32 (or wider), times `scale`, then cast to the result's dtype."""
+                 scale=None, row_scale=None, col_scale=None):
+  """`x[..., k] @ w[k, n]` as one `dot_general`; with scales, accumulated
+  in float32 (or wider), times them (`scaled`), then cast to the result's
+  dtype."""
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  if scale is None:
+  if scale is None and row_scale is None and col_scale is None:
     return lax.dot_general(x, w, dims, precision=precision,
                            preferred_element_type=preferred_element_type)
   out_dtype = _product_dtype(x, w, precision, preferred_element_type)
   acc = lax.dot_general(x, w, dims, precision=precision,
                         preferred_element_type=accumulation_dtype(out_dtype))
-  return (acc * scale.astype(acc.dtype)).astype(out_dtype)
+  return scaled(acc, scale, row_scale, col_scale).astype(out_dtype)
 
 
 def _product_dtype(x, w, precision, preferred_element_type):
@@ -72,15 +94,20 @@ def _product_dtype(x, w, precision, preferred_element_type):
 
 def baseline_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
                                precision=None, preferred_element_type=None,
-                               return_gathered=False, scale=None):
-  """All-gather `x` along `gather_axis`, then one matmul: what XLA does.
+                               return_gathered=False, scale=None,
+                               row_scale=None, col_scale=None):
+  """All-gather `x` (and its `row_scale`) along `gather_axis`, then one
+  matmul: what XLA does.
 
   With `return_gathered`, returns `(product, gathered x)`.
   """
   gathered = lax.all_gather(x, axis_name, axis=gather_axis, tiled=True)
+  if row_scale is not None:
+    row_scale = lax.all_gather(row_scale, axis_name, axis=gather_axis,
+                               tiled=True)
   out = local_matmul(gathered, w, precision=precision,
                      preferred_element_type=preferred_element_type,
-                     scale=scale)
+                     scale=scale, row_scale=row_scale, col_scale=col_scale)
   return (out, gathered) if return_gathered else out
 
 
@@ -92,7 +119,7 @@ def _shift(axis_size: int, delta: int) -> list[tuple[int, int]]:
 def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
                            bidirectional=True, precision=None,
                            preferred_element_type=None, return_gathered=False,
-                           scale=None):
+                           scale=None, row_scale=None, col_scale=None):
   """`all_gather(x) @ w` as a ring that multiplies while it passes shards on.
 
   Step i on device d multiplies shard (d + i) % D, which it received from
@@ -103,26 +130,31 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
 
   With `return_gathered`, returns `(product, gathered x)`: the shards that
   passed through are kept (D x the memory of `x`, no extra communication),
-  e.g. for a backward pass that needs `all_gather(x)` again.
+  e.g. for a backward pass that needs `all_gather(x)` again. A shard's
+  `row_scale` travels with it (one send of both).
   """
   if not 0 <= gather_axis < x.ndim - 1:
     raise ValueError(f"gather_axis={gather_axis} must index one of the "
                      f"{x.ndim - 1} leading dimensions of x{x.shape}")
   axis_size = lax.axis_size(axis_name)
+  # A chunk is a shard's rows, with their row scales where given.
   dot = lambda chunk: local_matmul(
-      chunk, w, precision=precision,
-      preferred_element_type=preferred_element_type, scale=scale)
+      chunk[0], w, precision=precision,
+      preferred_element_type=preferred_element_type, scale=scale,
+      row_scale=chunk[1] if len(chunk) > 1 else None, col_scale=col_scale)
+  x = (x,) if row_scale is None else (x, row_scale)
   if axis_size == 1:
-    return (dot(x), x) if return_gathered else dot(x)
+    return (dot(x), x[0]) if return_gathered else dot(x)
   my_index = lax.axis_index(axis_name)
-  rows = x.shape[gather_axis]
-  out_shape = list(x.shape[:-1]) + [w.shape[1]]
+  rows = x[0].shape[gather_axis]
+  out_shape = list(x[0].shape[:-1]) + [w.shape[1]]
   out_shape[gather_axis] *= axis_size
   out_dtype = jax.eval_shape(dot, x).dtype
   out = jnp.zeros(out_shape, out_dtype)
-  gathered_shape = list(x.shape)
+  gathered_shape = list(x[0].shape)
   gathered_shape[gather_axis] *= axis_size
-  gathered = jnp.zeros(gathered_shape, x.dtype) if return_gathered else None
+  gathered = (jnp.zeros(gathered_shape, x[0].dtype) if return_gathered
+              else None)
 
   def place(buffer, block, source):
     start = (source % axis_size) * rows
@@ -132,7 +164,7 @@ def ring_all_gather_matmul(x, w, axis_name, *, gather_axis=0,
     """Multiplies the shard of device `source` (and keeps it if asked)."""
     out = place(out, dot(chunk), source)
     if return_gathered:
-      gathered = place(gathered, chunk, source)
+      gathered = place(gathered, chunk[0], source)
     return out, gathered
 
   def result(out, gathered):
@@ -178,16 +210,18 @@ def accumulation_dtype(out_dtype):
 
 def baseline_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                                    precision=None,
-                                   preferred_element_type=None, scale=None):
+                                   preferred_element_type=None, scale=None,
+                                   row_scale=None, col_scale=None):
   """One matmul, then `psum_scatter` of the product: what XLA does.
 
-  The partial products (each scaled, with `scale`) are summed by the
+  The partial products (each scaled, with scales) are summed by the
   collective in the product's dtype (bf16 operands: bf16 sums), exactly as
   XLA's own reduce-scatter would.
   """
   partial = local_matmul(x, w, precision=precision,
                          preferred_element_type=preferred_element_type,
-                         scale=scale)
+                         scale=scale, row_scale=row_scale,
+                         col_scale=col_scale)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=scatter_axis,
                           tiled=True)
 
@@ -205,7 +239,8 @@ def check_row_blocks(x, scatter_axis, axis_name) -> int:
 
 def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
                                bidirectional=True, precision=None,
-                               preferred_element_type=None, scale=None):
+                               preferred_element_type=None, scale=None,
+                               row_scale=None, col_scale=None):
   """`psum_scatter(x @ w)` as a ring that adds while it passes sums on.
 
   Each row block's partial sum travels round the ring towards the device
@@ -226,7 +261,8 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
   and cast to the product's dtype (`preferred_element_type`, else the
   operands') once, at the end. That doubles the bytes sent for bf16 operands
   and is what makes the result no less accurate than one f32 sum. `scale`
-  multiplies that sum before the cast.
+  multiplies that sum before the cast; `row_scale` and `col_scale` multiply
+  each partial product before it is added and sent on.
   """
   if not 0 <= scatter_axis < x.ndim - 1:
     raise ValueError(f"scatter_axis={scatter_axis} must index one of the "
@@ -245,8 +281,11 @@ def ring_matmul_reduce_scatter(x, w, axis_name, *, scatter_axis=0,
     """This device's term of row block `owner` (device index, any int)."""
     start = (owner % axis_size) * rows
     block = lax.dynamic_slice_in_dim(x, start, rows, scatter_axis)
-    return local_matmul(block, w, precision=precision,
-                        preferred_element_type=sum_dtype)
+    block_scale = (None if row_scale is None else lax.dynamic_slice_in_dim(
+        row_scale, start, rows, scatter_axis))
+    return scaled(local_matmul(block, w, precision=precision,
+                               preferred_element_type=sum_dtype),
+                  row_scale=block_scale, col_scale=col_scale)
 
   if axis_size == 1:
     return finish(partial_product(0))

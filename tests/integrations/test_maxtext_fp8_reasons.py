@@ -105,3 +105,47 @@ def test_fp8_gpus_toNNX_runs_what_the_adapter_serves_once():
   assert done == [True] and served == [("to_nnx", (1, 2, 3))]
   assert apply(nn.Fp8DirectDotGeneralOp, "dot_general0", 1, 2, 3) == "maxtext"
   assert len(original_calls) == 4
+
+
+def test_a_qwix_rowwise_projection_is_served():
+  rowwise = quantization.QwixMode("fp8_full", rule=None, left_reason="",
+                                  dtype="e4m3 x e4m3", rowwise=True)
+  reason, projection, name = dense_lib.not_served_reason(
+      _mlp_stack(), X3, W, None, None, False, rowwise)
+  assert reason is None and projection is not None and name == "mlp/wi_0"
+
+
+def test_qwix_s_dot_general_qt_runs_what_the_adapter_serves_once():
+  """Qwix's `dot_general_qt` as patched: the projection's own call (the one
+  its provider makes while `serving_qwix_rowwise` waits) is served, with
+  the config Qwix built and Qwix's own function to fall back on; calls
+  before, after and outside are Qwix's."""
+  original_calls = []
+
+  def original(lhs, rhs, dimension_numbers, config):
+    original_calls.append(config)
+    return "qwix"
+
+  dot_general_qt = quantization.make_dot_general_qt(original)
+  served = []
+
+  def serve(lhs, rhs, dimension_numbers, config, fallback):
+    served.append((lhs, rhs, dimension_numbers, config, fallback))
+    return "ours"
+  assert dot_general_qt(1, 2, "dims", "config0") == "qwix"
+  with quantization.serving_qwix_rowwise(serve):
+    assert dot_general_qt(1, 2, "dims", "config1") == "ours"
+    assert dot_general_qt(1, 2, "dims", "config2") == "qwix"
+  assert dot_general_qt(1, 2, "dims", "config3") == "qwix"
+  assert served == [(1, 2, "dims", "config1", original)]
+  assert original_calls == ["config0", "config2", "config3"]
+
+
+def test_qwix_s_own_first_call_of_the_model_is_not_a_step():
+  """`qwix.quantize_model` calls the model once on dummy inputs outside
+  MaxText's mesh, every module marked `disable_quant_stats_update`."""
+  assert quantization.qwix_initializing(
+      types.SimpleNamespace(disable_quant_stats_update=True))
+  assert not quantization.qwix_initializing(
+      types.SimpleNamespace(disable_quant_stats_update=False))
+  assert not quantization.qwix_initializing(types.SimpleNamespace())

@@ -31,6 +31,7 @@ LAYERS = [
     {"ops", "flags"},
     {"autotuning", "override"},
     {"einsum_override", "grouping", "fp8"},
+    {"qwix_fp8"},
     {"integrations", "integrations.maxtext.projections",
      "integrations.maxtext.attention", "integrations.maxtext.summary",
      "integrations.maxtext.config_errors",

@@ -39,6 +39,7 @@ from collective_matmul.selection.applicability import command_buffer_types
 from collective_matmul.selection.applicability import config_reason
 from collective_matmul.selection.applicability import operand_reason
 from collective_matmul.selection.applicability import process_layout_reason
+from collective_matmul.selection.applicability import scales_reason
 from collective_matmul.selection.applicability import served_dtype_reason
 from collective_matmul.selection.applicability import tiles_per_step
 from collective_matmul.selection.applicability import too_small_reason
@@ -106,8 +107,9 @@ __all__ = [
     "DeviceFacts", "HOPPER_DEVICE_KINDS", "device_facts",
     "loaded_nccl_version", "job_nccl_version",
     "COMMAND_BUFFER_FLAG", "CAPTURE_CHECKED_JAX", "PEER_POINTER_NCCL",
-    "SMALL_BOXES", "unsupported_reason", "operand_reason", "config_reason",
-    "command_buffer_reason", "command_buffer_types", "process_layout_reason",
+    "SMALL_BOXES", "unsupported_reason", "operand_reason", "scales_reason",
+    "config_reason", "command_buffer_reason", "command_buffer_types",
+    "process_layout_reason",
     "tiles_per_step", "too_small_reason",
     "SENDER_SMS", "SENDER_WIDE_TILE_K", "tile_candidates",
     "wide_sender_tiles",

@@ -85,9 +85,11 @@ def _kernel(collective: Collective, problem: Problem, device: DeviceFacts,
   `collective` on `problem`; `config`: the caller's, else chosen here."""
   reason = applicability.unsupported_reason(problem, device)
   if reason is not None:
-    # fp8 the kernels do not take runs XLA's fp8 GEMM on a Hopper GPU (what
-    # the program runs without the plugin), not the portable ring.
-    instead = (Impl.BASELINE if problem.is_fp8 and device.is_hopper
+    # fp8 (or rowwise scales) the kernels do not take runs XLA's GEMM on a
+    # Hopper GPU (what the program runs without the plugin), not the
+    # portable ring.
+    instead = (Impl.BASELINE if (problem.is_fp8 or problem.rowwise)
+               and device.is_hopper
                and device.platform in ("gpu", "cuda")
                else options.fallback_impl)
     return (_Verdict(f"pallas unavailable: {reason}", instead, True), None,
@@ -148,7 +150,7 @@ def choose(requested: Impl | str, collective: Collective | str,
       plan, weight_layout=_weight_layout(problem),
       backward_weight_layout=_weight_layout(backward)).for_rows(
           problem.rows, problem.rows_per_batch)
-  if not problem.is_fp8:
+  if not (problem.is_fp8 or problem.rowwise):
     return plan
   return dataclasses.replace(plan, dtypes=problem.dtype_label(),
                              backward_dtypes=backward.dtype_label())

@@ -58,7 +58,9 @@ class Problem(NamedTuple):
   weight's, None for `dtype` (fp8 pairs differ: an e5m2 gradient times an
   e4m3 weight); rows_per_batch: the run of rows per leading index where
   the activation is split on a dimension other than its first (`[b, s, k]`
-  on `s`: `plan.kernel_rows`), None where it is split on the first.
+  on `s`: `plan.kernel_rows`), None where it is split on the first;
+  rowwise: the product is scaled per row and per column (rowwise fp8: the
+  ops' `row_scale` / `col_scale`), not only by one scale per tensor.
   """
 
   rows: int
@@ -69,6 +71,7 @@ class Problem(NamedTuple):
   out_dtype: np.dtype | None = None
   rhs_dtype: np.dtype | None = None
   rows_per_batch: int | None = None
+  rowwise: bool = False
 
   @property
   def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -94,8 +97,10 @@ class Problem(NamedTuple):
     return (np.dtype(self.dtype).itemsize, self.result_dtype.itemsize)
 
   def dtype_label(self) -> str:
-    """`dtype_label` of the operands and the result."""
-    return dtype_label(*self.operand_dtypes, self.result_dtype)
+    """`dtype_label` of the operands and the result, then "rowwise" for a
+    rowwise-scaled product (`e4m3 x e4m3 -> f32 rowwise`)."""
+    label = dtype_label(*self.operand_dtypes, self.result_dtype)
+    return f"{label} rowwise" if self.rowwise else label
 
   def backward(self) -> Problem:
     """The backward's problem (dx of the other collective), as the op's
@@ -104,9 +109,10 @@ class Problem(NamedTuple):
     (an fp8 weight meets a bf16 cotangent as bf16), written in the
     activation's dtype, or for an fp8 activation in that wider dtype (its
     gradient is rounded to fp8 once, after the collective); its rows and
-    their runs are this problem's."""
+    their runs are this problem's, and it is rowwise where this one is
+    (its rows take the row scales)."""
     lhs, rhs = self.operand_dtypes
     dtype = wider_dtype(self.result_dtype, rhs)
     out = dtype if configs.is_fp8(lhs) else lhs
     return Problem(self.rows, self.n, self.k, dtype, self.axis_size, out,
-                   rows_per_batch=self.rows_per_batch)
+                   rows_per_batch=self.rows_per_batch, rowwise=self.rowwise)

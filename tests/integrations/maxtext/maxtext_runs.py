@@ -95,7 +95,7 @@ class Run:
 def start(name: str, *, model="llama2-7b", mesh="ts4_data2", dtype="bf16",
           plugin: tuple[str, ...] | None = (), steps=3, run_name=None,
           extra: tuple[str, ...] = (), xla_flash_attention=False,
-          checkpoints=True) -> Training:
+          checkpoints=True, launcher: str | None = None) -> Training:
   """Starts training `model` for `steps` steps with synthetic data (its
   own process; `Training.result` waits for it).
 
@@ -107,13 +107,17 @@ def start(name: str, *, model="llama2-7b", mesh="ts4_data2", dtype="bf16",
     (`launch_with_xla_attention.py`; the plugin's launcher).
   checkpoints: False saves none (`enable_checkpointing=False`; about 3 s
     less a run on CPU): for runs whose checkpoints no test reads.
+  launcher: a script of this folder that runs the plugin's launcher (e.g.
+    with a planted bug: `launch_with_per_tensor_scales.py`), or None.
   """
   run_name = run_name or name
   metrics = os.path.join(WORK, f"{name}.metrics.jsonl")
+  here = os.path.dirname(os.path.abspath(__file__))
   if xla_flash_attention:
-    launch = [os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "launch_with_xla_attention.py")]
+    launch = [os.path.join(here, "launch_with_xla_attention.py")]
     extra = (*extra, "attention=flash")
+  elif launcher is not None:
+    launch = [os.path.join(here, launcher)]
   else:
     launch = ["-m", "maxtext.trainers.pre_train.train" if plugin is None
               else "collective_matmul.integrations.maxtext"]

@@ -1,8 +1,9 @@
 """Every Qwix quantization MaxText 0.2.5 accepts, as the adapter sees it
-inside Qwix's interception (in process, no training): fp8_gpu served, every
-other mode left to MaxText with its dtypes and scales in the reason, and a
-module no rule matches (the logits) not quantized at all. The training runs
-are in test_qwix_training.py."""
+inside Qwix's interception (in process, no training): fp8_gpu served
+through Flax's fp8 op, fp8_full / fp8 / fp8_e4m3 / fp8_e5m2 served rowwise,
+every other mode left to MaxText with its dtypes and scales in the reason,
+and a module no rule matches (the logits) not quantized at all. The
+training runs are in test_qwix_training.py."""
 import flax.nnx as nnx
 import jax.numpy as jnp
 import pytest
@@ -76,18 +77,26 @@ def test_the_modes_are_those_maxtext_0_2_5_accepts():
   assert sorted(_qwix_modes()) == QWIX_MODES
 
 
+ROWWISE = {"fp8_full": "e4m3 x e4m3", "fp8": "e4m3 x e4m3",
+           "fp8_e4m3": "e4m3 x e4m3", "fp8_e5m2": "e5m2 x e5m2"}
+
+
 @pytest.mark.parametrize("mode", QWIX_MODES)
-def test_a_qwix_mode_is_served_only_as_fp8_gpu_and_else_left_with_why(mode):
+def test_a_qwix_mode_is_served_as_fp8_gpu_or_rowwise_and_else_left_with_why(
+    mode):
   seen = _seen(mode, _MLP_PATH)
   assert seen is not None and seen.quantization == mode
   if mode == "fp8_gpu":
-    assert seen.served and seen.dtype == "e4m3 x e4m3"
+    assert seen.served and not seen.rowwise and seen.dtype == "e4m3 x e4m3"
+    return
+  if mode in ROWWISE:
+    assert seen.served and seen.rowwise and seen.dtype == ROWWISE[mode]
     return
   assert not seen.served
   assert f"quantization={mode}" in seen.left_reason
   expected = {"fp4": "float4_e2m1fn x float4_e2m1fn", "int4": "int4 x int4",
-              "int8": "int8 x int8", "fp8_e5m2": "e5m2 x e5m2",
-              "fp8_nanoo": "e4m3fnuz x e4m3fnuz"}.get(mode, "e4m3 x e4m3")
+              "int8": "int8 x int8",
+              "fp8_nanoo": "e4m3fnuz x e4m3fnuz"}[mode]
   assert seen.dtype == expected
   if mode != "fp8_nanoo":
     assert "a scale per activation row and per weight output column" in (

@@ -13,8 +13,11 @@ wi_0 / wi_1 / fused wi (all-gather) and wo (matmul + reduce-scatter);
 Attention's query, key, value, fused qkv (all-gather) and out (matmul +
 reduce-scatter); the decoder's logits, dense or through the tied embedding
 (all-gather); with `quantization=fp8` or Qwix's `fp8_gpu`, the same
-projections in Flax's fp8 math on MaxText's fp8 state. Other quantization
-modes (Qwix's int8, fp8_full, ...; AQT), fp8 weights, unknown and
+projections in Flax's fp8 math on MaxText's fp8 state; with Qwix's
+`fp8_full`, `fp8`, `fp8_e4m3` or `fp8_e5m2`, the same projections in
+Qwix's own quantization, its rowwise scales in the collective matmuls
+(`qwix_fp8`). Other quantization modes (Qwix's int8, int4, fp4,
+fp8_nanoo; AQT), fp8 weights, unknown and
 non-training projections, and a mixture-of-experts block's router gate and
 routed experts, take MaxText's own path, each recorded with its reason in
 `collective_matmul.decisions()`.

@@ -48,6 +48,7 @@ ALLOW_UNTESTED_ENV = "CM_MAXTEXT_ALLOW_UNTESTED_VERSION"
 # What `Patch.make` is for a name `attention.install()` patches.
 BY_ATTENTION = "attention.install"
 _MODULES = {"linears": "maxtext.layers.linears",
+            "qwix_dot_general_qt": "qwix._src.core.dot_general_qt",
             "attentions": "maxtext.layers.attentions",
             "attention_mla": "maxtext.layers.attention_mla",
             "attention_op": "maxtext.layers.attention_op",
@@ -192,6 +193,10 @@ PATCHES = (
     Patch("quantizations", "_apply_linen_module_in_nnx", "exactly", (
         "linen_module_cls", "op_id", "args", "kwargs"),
           quantization.make_apply_linen_module_in_nnx),
+    # Qwix's fp8_full / fp8 / fp8_e4m3 / fp8_e5m2: its provider's call.
+    Patch("qwix_dot_general_qt", "dot_general_qt", "exactly", (
+        "lhs", "rhs", "dimension_numbers", "config"),
+          quantization.make_dot_general_qt),
     # `attention` (--maxtext_shard_gpu_attention).
     Patch("attention_op", "AttentionOp.apply_attention", "at least", (
         "self", "query", "key", "value", "decoder_segment_ids",

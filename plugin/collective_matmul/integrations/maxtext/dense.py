@@ -153,6 +153,31 @@ def _served_fp8_gpu(dense_general, maxtext_path, projection, name):
     return maxtext_path()
 
 
+def _served_qwix_rowwise(qwix, maxtext_path, projection, name):
+  """Qwix's fp8_full / fp8 / fp8_e4m3 / fp8_e5m2 projection: MaxText's
+  path, in which Qwix's provider builds its config and calls its
+  `dot_general_qt`, which runs `qwix_fp8.dot_general_qt` with that config
+  (or, for a config it does not take, Qwix's own, recorded)."""
+  from collective_matmul import qwix_fp8  # pylint: disable=g-import-not-at-top
+
+  def serve(lhs, rhs, dimension_numbers, config, original):
+    reason = qwix_fp8.unserved_reason(config, lhs, rhs, dimension_numbers)
+    if reason is not None:
+      record.record_not_served(
+          name, f"left to MaxText: quantized: Qwix "
+          f"quantization={qwix.quantization} with {reason}",
+          lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs),
+          dtype=qwix.dtype)
+      return original(lhs, rhs, dimension_numbers, config)
+    return qwix_fp8.dot_general_qt(
+        lhs, rhs, dimension_numbers, config,
+        lhs_axes=projection.activation_axes, rhs_axes=projection.kernel_axes,
+        out_axes=projection.out_axes, result_axes=projection.result_axes,
+        name=name)
+  with quantization.serving_qwix_rowwise(serve):
+    return maxtext_path()
+
+
 def make_dot_general_nnx(original):
   def dot_general_nnx(inputs, kernel, axis, contract_ind, matmul_precision,
                       quant_dot_general, initializing, out_sharding=None,
@@ -178,7 +203,8 @@ def make_dot_general_nnx(original):
           stack, inputs, kernel, quant_dot_general, kernel_scale,
           native_fp8_compute, qwix)
       if reason is None and qwix is not None:
-        reason = "Qwix fp8_gpu, served alone with its own fp8 scales"
+        reason = (f"Qwix {qwix.quantization}, served alone with its own fp8 "
+                  "scales")
       captured.append(siblings.Captured(
           inputs, kernel, tuple(axis), tuple(contract_ind), matmul_precision,
           reason, projection, name))
@@ -211,6 +237,10 @@ def make_dot_general_nnx(original):
       return _served_fp8(quant_dot_general, functools.partial(
           quant_dot_general, inputs, kernel, call.dimension_numbers,
           precision=None, mutable=["aqt"]), projection, name)
+    if qwix is not None and qwix.rowwise:  # Qwix's own dot_general_qt.
+      if quantization.qwix_initializing(stack[-1].module):
+        return maxtext_path()
+      return _served_qwix_rowwise(qwix, maxtext_path, projection, name)
     if qwix is not None:  # Qwix's fp8_gpu: Flax's fp8 op, as above.
       return _served_fp8_gpu(stack[-1].module, maxtext_path, projection,
                              name)

@@ -177,8 +177,8 @@ def make_attend_on_embedding(original):
     qwix = frames.qwix_mode(stack)
     if qwix is not None:
       reason = "quantized: " + (qwix.left_reason or (
-          "Qwix fp8_gpu on the tied-embedding logits (its fp8 is served on "
-          "DenseGeneral projections only)"))
+          f"Qwix {qwix.quantization} on the tied-embedding logits (its fp8 "
+          "is served on DenseGeneral projections only)"))
     elif "EXPLICIT" in str(getattr(config, "shard_mode", "")).upper():
       reason = ("shard_mode=explicit (the adapter serves MaxText's logical, "
                 "Auto-sharded route)")

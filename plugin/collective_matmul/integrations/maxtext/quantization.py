@@ -16,13 +16,20 @@ adapter asks Qwix for the projection's rule first (`qwix_mode`):
   call, creates) that `ToNNX`, and for the call it runs the plugin's
   `fp8.Fp8DirectDotGeneralOp` on the same variables (`serving_fp8_gpu`), so
   the state and checkpoints are MaxText's.
-* `int4`, `int8`, `fp4`, `fp8`, `fp8_e4m3`, `fp8_e5m2`, `fp8_full`
-  (`qwix.QtProvider`): Qwix's `dot_general_qt`, left to MaxText. Its scales
-  run over every non-contracting dimension (one per activation row, one per
-  weight output column; absmax over the contracting dimension by default),
-  and its backward rescales the gradient by the residual's scales and
-  quantizes it per channel again; the collective matmuls apply one
-  per-tensor scale, so serving them would bypass that quantization.
+* `fp8_full`, `fp8`, `fp8_e4m3`, `fp8_e5m2` (`qwix.QtProvider`): Qwix's
+  `dot_general_qt`, whose scales run over every non-contracting dimension
+  (one per activation row, one per weight output column; absmax over the
+  contracting dimension by default) and whose backward rescales the
+  gradient by the weight's column scales and quantizes it per row again.
+  Served rowwise (`ROWWISE_MODES`): MaxText's own code runs, and Qwix's
+  provider builds its config and calls `dot_general_qt`, which for the
+  projection's call runs `qwix_fp8.dot_general_qt` with that config
+  (`serving_qwix_rowwise`): Qwix's calibration and quantization, the fp8
+  products through the collective matmuls with the row and column scales.
+  A config it does not take (`qwix_fp8.unserved_reason`) runs Qwix's own.
+* `int4`, `int8`, `fp4` (`qwix.QtProvider`): Qwix's `dot_general_qt` on
+  integer or fp4 values, left to MaxText (the collective matmuls take fp8
+  or float operands).
 * `fp8_nanoo` (`NANOOFp8Provider`): Flax's `NANOOFp8DotGeneralOp` (AMD's
   e4m3fnuz / e5m2fnuz), left to MaxText.
 
@@ -45,6 +52,8 @@ _FP8_GPU_ATTRIBUTE = "_qwix_fp8_gpu_{op_id}"
 _FP8_GPU_MUTABLE = ("_overwrite_with_gradient",)
 SERVED_MODE = "fp8_gpu"
 _NANOO_MODE = "fp8_nanoo"
+# Qwix's QtProvider modes served with rowwise scales (`qwix_fp8`).
+ROWWISE_MODES = ("fp8_full", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 _local = threading.local()
 
@@ -56,16 +65,19 @@ class QwixMode:
   quantization: MaxText's `quantization` (None where no owner of the
     projection holds MaxText's config).
   rule: the Qwix rule that matched the projection's module path.
-  left_reason: why the adapter leaves it to MaxText; "" for fp8_gpu, which
-    it serves.
+  left_reason: why the adapter leaves it to MaxText; "" for fp8_gpu and
+    the rowwise modes, which it serves.
   dtype: what Qwix runs, as the decision record names operands
     ("e4m3 x e4m3", "int8 x int8").
+  rowwise: served through `qwix_fp8` (Qwix's `dot_general_qt`, rowwise
+    scales), not through Flax's fp8 op.
   """
 
   quantization: str | None
   rule: Any
   left_reason: str
   dtype: str
+  rowwise: bool = False
 
   @property
   def served(self) -> bool:
@@ -133,10 +145,12 @@ def qwix_mode(maxtext_configs) -> QwixMode | None:
               "requantized per channel in the backward"
               if getattr(rule, "bwd_qtype", None) is not None
               else "gradients unquantized")
+  if quantization in ROWWISE_MODES:
+    return QwixMode(quantization, rule, "", dtype, rowwise=True)
   return QwixMode(quantization, rule, (
       f"Qwix {mode} runs its own dot_general_qt (activations x weights "
       f"{dtype}, {calibration} calibration, {_scales(rule)}; {backward}); "
-      "the collective matmul applies one per-tensor scale, so serving it "
+      "the collective matmuls take fp8 or float operands, so serving it "
       "would bypass that quantization"), dtype)
 
 
@@ -177,6 +191,40 @@ def make_apply_linen_module_in_nnx(original):
     return serve(to_nnx, args)
   apply_linen_module_in_nnx.__wrapped__ = original
   return apply_linen_module_in_nnx
+
+
+@contextlib.contextmanager
+def serving_qwix_rowwise(serve: Callable[..., Any]) -> Iterator[None]:
+  """Within: the next call of Qwix's `dot_general_qt` (the one Qwix's
+  provider makes for this projection) runs `serve(lhs, rhs,
+  dimension_numbers, config, original)` instead."""
+  previous = getattr(_local, "pending_qt", None)
+  _local.pending_qt = serve
+  try:
+    yield
+  finally:
+    _local.pending_qt = previous
+
+
+def qwix_initializing(module) -> bool:
+  """Whether `module` runs in `qwix.quantize_model`'s own first call of the
+  model (which initializes Qwix's state on dummy inputs, outside MaxText's
+  mesh; Qwix marks every module `disable_quant_stats_update` for it), not
+  in a step."""
+  return bool(getattr(module, "disable_quant_stats_update", False))
+
+
+def make_dot_general_qt(original):
+  """Qwix's `dot_general_qt`, serving the call `serving_qwix_rowwise`
+  waits for."""
+  def dot_general_qt(lhs, rhs, dimension_numbers, config):
+    serve = getattr(_local, "pending_qt", None)
+    _local.pending_qt = None  # Only this projection's own call.
+    if serve is None:
+      return original(lhs, rhs, dimension_numbers, config)
+    return serve(lhs, rhs, dimension_numbers, config, original)
+  dot_general_qt.__wrapped__ = original
+  return dot_general_qt
 
 
 def fp8_gpu_call_kwargs() -> dict[str, Any]:

@@ -1,0 +1,70 @@
+"""The dispatch hands the Hopper kernels the ops' row and column scales in
+their layout (the rows as the kernel sees them, also with the split
+dimension moved first; the fp8 weight K-major): a `pallas` plan given to the
+op, run in Mosaic GPU's interpret mode on CPU at D = 1, equals the ring.
+
+Skipped where the kernels take no `row_scale` (a tree before issue 55's
+kernel half, whose test helpers for the interpreter this file uses) or JAX
+has no interpret mode (< 0.12)."""
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import collective_matmul as cm
+from collective_matmul import kernels
+from collective_matmul import plan as plan_lib
+from collective_matmul.enums import Collective
+from collective_matmul.kernels import configs
+from cm_test_utils import mesh_1d, normal
+
+if "row_scale" not in inspect.signature(
+    kernels.all_gather_lhs_matmul).parameters:
+  pytest.skip("these kernels take no row_scale / col_scale",
+              allow_module_level=True)
+from cm_test_utils import INTERPRET_TILES, needs_interpret_mode  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+E4M3 = jnp.float8_e4m3fn
+pytestmark = [needs_interpret_mode(),
+              pytest.mark.usefixtures("fresh_interpreter")]
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("shape,axis", [((128, 256), 0), ((2, 64, 256), 1)],
+                         ids=["rows", "batch_of_rows"])
+def test_a_pallas_plan_with_row_and_column_scales_is_the_ring_s_product(
+    collective, shape, axis, keys):
+  x = normal(keys(), shape, jnp.float32).astype(E4M3)
+  w = normal(keys(), (256, 128), jnp.float32).astype(E4M3)
+  row = jax.random.uniform(keys(), shape[:-1], jnp.float32, 0.25, 4.0)
+  col = jax.random.uniform(keys(), (128,), jnp.float32, 0.25, 4.0)
+  config_type = (configs.AllGatherConfig if collective == "all_gather"
+                 else configs.ReduceScatterConfig)
+  plan = plan_lib.KernelPlan(
+      "pallas", "ring", config=config_type(tile_k=128, **INTERPRET_TILES),
+      weight_layout="nk").for_rows(*plan_lib.kernel_rows(
+          Collective.parse(collective, "collective"), shape, axis, 1))
+  op = (cm.all_gather_matmul if collective == "all_gather"
+        else cm.matmul_reduce_scatter)
+  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
+
+  def run(**how):
+    with jax.set_mesh(mesh_1d(1)):
+      return np.asarray(jax.jit(jax.shard_map(
+          lambda x, w, r, c: op(x, w, "x", preferred_element_type=jnp.float32,
+                                row_scale=r, col_scale=c, **{axis_arg: axis},
+                                **how),
+          in_specs=(P(),) * 4, out_specs=P(), check_vma=False))(
+              x, w, row, col))
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = run(plan=plan)
+  want = run(impl="ring")
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
+  # The positive control: without its row scales the product is far off.
+  unscaled = want / np.asarray(row)[..., None]
+  assert np.abs(got - unscaled).max() > 0.1 * np.abs(unscaled).max()
