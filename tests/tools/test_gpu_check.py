@@ -44,3 +44,21 @@ def test_the_one_gpu_steps_run_their_tools(tmp_path):
   assert "planned 1 cases" in (tmp_path / "rings.log").read_text()
   core_log = (tmp_path / "core_2048_4096_4096.log").read_text()
   assert "2048/4096/4096 ours_ag" in core_log and "plan:" in core_log
+
+
+INSTALLED = os.path.join(REPO_ROOT, "tools", "gpu_installed_setup.sh")
+
+
+def test_the_installed_setup_script_names_every_step_it_runs(tmp_path):
+  text = open(INSTALLED).read()
+  header = text.split("# Steps")[1].split("set -u")[0]
+  named = set(re.findall(r"\b(\w+_0\d\d|\w+_image|facts)\b", header))
+  branches = set()
+  for pattern in re.findall(r"^    ([\w|]+)\)", text, re.M):
+    branches |= set(pattern.split("|"))
+  assert named == branches, (named ^ branches)
+  result = subprocess.run(["bash", INSTALLED, str(tmp_path / "out"),
+                           "no_such_step"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == 2
+  assert "unknown step 'no_such_step'" in result.stdout
