@@ -8,6 +8,7 @@ import functools
 import importlib
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 DN_LAST = lambda ndim: (((ndim - 1,), (0,)), ((), ()))  # x[..., k] @ w[k, n]
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -295,3 +297,18 @@ def sharded(fn, the_mesh, in_specs, out_spec, **kwargs):
 def count_ops(hlo_text: str, op: str) -> int:
   """How many `op` instructions (sync or async start) a compiled HLO has."""
   return len(re.findall(rf"= \S+ {op}(-start)?\(", hlo_text))
+
+
+def wait_for_processes(procs, timeout_s, hang_message):
+  """The outputs of `procs` (started with stdout piped, text mode); on a
+  timeout every one is killed and the test fails with `hang_message` (one
+  process of a ring that hangs leaves the others waiting)."""
+  logs = []
+  for proc in procs:
+    try:
+      logs.append(proc.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+      for other in procs:
+        other.kill()
+      pytest.fail(hang_message)
+  return logs

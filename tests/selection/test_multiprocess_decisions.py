@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cm_test_utils import wait_for_processes
 from collective_matmul import selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,14 +43,8 @@ def _run_two_processes(tmp_path, caches, nccl=(None, None)):
          str(pid), port, str(out)], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True))
     outs.append(out)
-  logs = []
-  for proc in procs:
-    try:
-      logs.append(proc.communicate(timeout=240)[0])
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      pytest.fail("a process hung (a ring where the processes disagree)")
+  logs = wait_for_processes(
+      procs, 240, "a process hung (a ring where the processes disagree)")
   for proc, log in zip(procs, logs):
     assert proc.returncode == 0, log[-4000:]
   return [json.loads(out.read_text()) for out in outs]

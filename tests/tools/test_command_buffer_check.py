@@ -15,6 +15,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import command_buffer_check as cb  # pylint: disable=g-import-not-at-top,wrong-import-position
+from cm_test_utils import wait_for_processes  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 
@@ -67,14 +68,7 @@ def test_the_two_process_auto_check_runs_on_cpu():
                             env=dict(env, RANK=str(rank)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for rank in (0, 1)]
-  logs = []
-  for proc in procs:
-    try:
-      logs.append(proc.communicate(timeout=300)[0])
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      pytest.fail("the two-process check hung")
+  logs = wait_for_processes(procs, 300, "the two-process check hung")
   for proc, log in zip(procs, logs):
     assert proc.returncode == 0, log[-3000:]
     for case in ("bf16_train", "fp8_all_gather", "fp8_reduce_scatter"):
