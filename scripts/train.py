@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import sys
+import warnings
 
 import script_setup  # pylint: disable=g-bad-import-order
 
@@ -303,6 +304,7 @@ def main(argv: list[str]) -> int:
     return 2
   except checkpoint_lib.StorageError as e:
     print(f"storage error: {e}", file=sys.stderr)
+    _quiet_abandoned_writes()
     return 1
   except checkpoint_lib.RunLockedError as e:
     print(f"refused: {e}", file=sys.stderr)
@@ -322,6 +324,7 @@ def main(argv: list[str]) -> int:
       raise
     where = e.filename or "the output"
     print(f"storage error: cannot write {where}: {cause}", file=sys.stderr)
+    _quiet_abandoned_writes()
     return 1
   except ValueError as e:
     if not _is_strict_fallback(e):
@@ -330,6 +333,15 @@ def main(argv: list[str]) -> int:
           "fallback; without it the layer falls back as recorded)",
           file=sys.stderr)
     return 1
+
+
+def _quiet_abandoned_writes() -> None:
+  """After a failed checkpoint write, orbax's async writes that never ran
+  are collected at exit with "coroutine ... was never awaited"
+  (RuntimeWarning, depending on when the collector runs): noise after the
+  one-line storage error, so left unsaid."""
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                          category=RuntimeWarning)
 
 
 def _is_closed_loop_callback(error: BaseException | None) -> bool:
