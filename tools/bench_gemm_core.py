@@ -92,6 +92,11 @@ import warpgroup_trace  # pylint: disable=g-bad-import-order
 # q/k/v, fused q/k/v, wi, the attention output and the MLP output.
 SHAPES = ["16384/4096/2048", "16384/4096/6144", "16384/4096/5504",
           "16384/2048/4096", "16384/5504/4096", "2048/4096/4096"]
+# With llama3-8b's at tensor-sequence 2 (q/k/v fused, the attention output,
+# q, wi fused): the ten shapes the core is judged at (tools/gpu_check.sh,
+# tools/gpu_installed_setup.sh; tools/rings_one_gpu.py keeps a copy).
+TEN_SHAPES = SHAPES + ["16384/4096/7168", "16384/7168/4096",
+                       "16384/4096/3072", "16384/4096/14336"]
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # The fp8 arms' per-tensor scales (lhs, rhs): their product is the scale.
 FP8_SCALES = (0.75, 1.25)

@@ -97,7 +97,7 @@ for step in "$@"; do
     core)
       mkdir -p "$out/core"
       read -r -a shapes <<< "${CORE_SHAPES:-$(python -c \
-        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.SHAPES)')}"
+        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.TEN_SHAPES)')}"
       for shape in "${shapes[@]}"; do
         name=core_${shape//\//_}
         run_step "$name" "$(step_timeout core 90)" \

@@ -128,7 +128,7 @@ print('$runner', 'jax', jax.__version__, d[0].device_kind, 'nccl loaded', s.load
     core_012|core_011)
       runner=/tmp/j${step##*_}; mkdir -p "$out/$step"
       read -r -a shapes <<< "${CORE_SHAPES:-$(python3 -c \
-        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.SHAPES)')}"
+        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.TEN_SHAPES)')}"
       for shape in "${shapes[@]}"; do
         name=${step}_${shape//\//_}
         run_step "$name" 120 $runner python3 tools/bench_gemm_core.py --rounds 2 \

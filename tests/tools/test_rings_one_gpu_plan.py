@@ -282,3 +282,11 @@ def test_skip_passed_refuses_a_file_that_is_no_earlier_output(tmp_path, capsys):
       rings.main(["--list", "--skip-passed", str(path)])
     assert exit_info.value.code == 2
     assert "not an earlier --out file" in capsys.readouterr().err
+
+
+def test_the_gemm_shapes_are_the_cores_ten():
+  """The rings' picked cases run at the shapes the core is timed at; the
+  tool keeps its own copy so that its worker does not import the bench."""
+  import bench_gemm_core  # pylint: disable=g-import-not-at-top
+  assert rings.GEMM_SHAPES == bench_gemm_core.TEN_SHAPES
+  assert len(set(rings.GEMM_SHAPES)) == 10
