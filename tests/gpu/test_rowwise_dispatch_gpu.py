@@ -1,0 +1,81 @@
+"""Rowwise fp8 through the ops' dispatch to the Hopper kernels at D = 1 (one
+GPU): `cm.all_gather_matmul` / `cm.matmul_reduce_scatter` given an f32
+`row_scale` (one per row of the local x) and `col_scale` (one per column of
+the local w) run the kernel with them in its epilogue, the rows as the
+kernel sees them (also with the split dimension moved first), the fp8
+weight handed over K-major; against the f32 product of the same fp8 values
+times the same scales, outputs poisoned. A positive control: the product
+without its row scales is far off.
+
+The kernels are reached through an explicit `pallas` plan, as the CPU test
+of the same dispatch in interpret mode (tests/ops/
+test_rowwise_dispatch_interpret.py); `selection.scales_reason` decides
+whether `auto` and `pallas` choose them (tests/selection/
+test_rowwise_selection.py).
+
+Tolerance: the fp8 products are exact in f32 and Hopper's fp8 MMA
+accumulates to about 2e-4 relative; a bf16 result adds one rounding
+(tests/gpu/test_fp8_dispatch_gpu.py): 5e-3 of the norm.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import collective_matmul as cm
+from collective_matmul import plan as plan_lib
+from collective_matmul.enums import Collective
+from collective_matmul.kernels import configs
+
+from gpu_env import poison
+from gpu_env import rel_error
+from gpu_env import ring_mesh
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TOLERANCE = 5e-3
+f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32],
+                         ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape,axis", [((1024, 2048), 0),
+                                        ((2, 512, 2048), 1)],
+                         ids=["rows", "batch_of_rows"])
+@pytest.mark.parametrize("collective,lhs_dtype",
+                         [("all_gather", E4M3), ("reduce_scatter", E5M2)])
+def test_rowwise_op_runs_the_kernel_with_the_ops_scales(
+    collective, lhs_dtype, shape, axis, out_dtype):
+  n = 1024
+  keys = jax.random.split(jax.random.key(7), 4)
+  x = jax.random.normal(keys[0], shape, jnp.float32).astype(lhs_dtype)
+  w = jax.random.normal(keys[1], (shape[-1], n), jnp.float32).astype(E4M3)
+  row = jax.random.uniform(keys[2], shape[:-1], jnp.float32, 0.25, 4.0)
+  col = jax.random.uniform(keys[3], (n,), jnp.float32, 0.25, 4.0)
+  config_type = (configs.AllGatherConfig if collective == "all_gather"
+                 else configs.ReduceScatterConfig)
+  plan = plan_lib.KernelPlan(
+      "pallas", "ring", config=config_type(tile_k=128),
+      weight_layout="nk").for_rows(*plan_lib.kernel_rows(
+          Collective.parse(collective, "collective"), shape, axis, 1))
+  op = (cm.all_gather_matmul if collective == "all_gather"
+        else cm.matmul_reduce_scatter)
+  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
+  f = jax.jit(jax.shard_map(
+      lambda x, w, r, c: op(x, w, "x", preferred_element_type=out_dtype,
+                            row_scale=r, col_scale=c, plan=plan,
+                            **{axis_arg: axis}),
+      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+  with jax.set_mesh(ring_mesh(1)):
+    text = f.lower(x, w, row, col).as_text()
+    poison(np.prod(shape[:-1]) * n * 4)
+    got = f(x, w, row, col)
+  assert len(re.findall(r"@mosaic_gpu", text)) == 1
+  assert got.shape == shape[:-1] + (n,) and got.dtype == out_dtype
+  want = (np.einsum("...k,kn->...n", f32(x), f32(w)) * f32(row)[..., None]
+          * f32(col))
+  assert rel_error(got, want) < TOLERANCE
+  unscaled = want / f32(row)[..., None]
+  assert rel_error(got, unscaled) > 0.1
