@@ -144,13 +144,17 @@ def mesh_2d(shape, axis_type=AxisType.Explicit):
 
 def needs_interpret_mode():
   """A skip mark for tests that run the kernels in Mosaic GPU's interpret
-  mode on CPU (JAX >= 0.12). Pallas is imported only here, when a test
+  mode on CPU (JAX >= 0.12: 0.11's interpreter has no `on_race`, which the
+  tests set to fail on a race). Pallas is imported only here, when a test
   module asks."""
+  import inspect  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
   plgpu = importlib.import_module("jax.experimental.pallas.mosaic_gpu")
-  return pytest.mark.skipif(not hasattr(plgpu, "force_gpu_interpret_mode"),
-                            reason="Mosaic GPU interpret mode needs JAX >= "
-                            "0.12")
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  usable = (hasattr(plgpu, "force_gpu_interpret_mode") and params is not None
+            and "on_race" in inspect.signature(params).parameters)
+  return pytest.mark.skipif(not usable, reason="Mosaic GPU interpret mode "
+                            "(with on_race) needs JAX >= 0.12")
 
 
 # Interpreted kernels: products summed in f32 and rounded once to bf16

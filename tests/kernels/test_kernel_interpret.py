@@ -30,13 +30,12 @@ from collective_matmul import selection
 
 from cm_test_utils import kernel_configs
 from cm_test_utils import mesh_1d
+from cm_test_utils import needs_interpret_mode
 from cm_test_utils import normal
 from cm_test_utils import pallas_mlp
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-pytestmark = pytest.mark.skipif(
-    not hasattr(plgpu, "force_gpu_interpret_mode"),
-    reason="Mosaic GPU interpret mode needs JAX >= 0.12")
+pytestmark = needs_interpret_mode()
 
 # bf16 products summed in f32 and rounded once to bf16: ~1.6e-3 relative.
 TOLERANCE = 5e-3

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -43,6 +44,11 @@ def kernel_call(body, out_types, ring):
 
 
 _JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+# `plgpu.load(ref, idx, ...)` takes the index separately up to JAX 0.10
+# (deprecated in 0.11, gone in 0.12: the ref is indexed with `.at`).
+_LOAD_PARAMS = inspect.signature(plgpu.load).parameters
+_LOAD_NEEDS_INDEX = ("idx" in _LOAD_PARAMS and
+                     _LOAD_PARAMS["idx"].default is inspect.Parameter.empty)
 # The layouts a kernel takes its weight in: "kn" (`[k, n]`) or "nk"
 # (`[n, k]`, K-major).
 WEIGHT_LAYOUTS = ("kn", "nk")
@@ -450,11 +456,20 @@ def _broadcast_scales(vector_ref, first, shape, axis):
   global memory into the registers that hold those rows (`axis` 0) or
   columns (1) of the accumulator, no shared memory or barrier. Each
   thread loads the entries of its own rows or columns: 2 rows of every
-  64 (`tile_m / 32` scales), 2 columns of every 8 (`tile_n / 4`)."""
-  # (`plgpu.load` with a layout is this cast, but its signature changed
-  # between JAX 0.10 and 0.12.)
-  vector = plgpu.layout_cast(vector_ref.at[pl.ds(first, shape[axis])][...],
-                             plgpu.Layout.WGMMA.reduce(1 - axis))
+  64 (`tile_m / 32` scales), 2 columns of every 8 (`tile_n / 4`).
+
+  The load is a plain one (`optimized=False`: one scalar load per
+  register, no vectorised transfer plan): JAX 0.11's Mosaic GPU plans
+  optimized transfers for shared memory only and refuses one from global
+  memory ("Only optimized transfers to SMEM supported"); JAX 0.12 plans
+  both. A thread's few scales make the plan immaterial."""
+  layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+  window = pl.ds(first, shape[axis])
+  if _LOAD_NEEDS_INDEX:  # JAX 0.10: the index is a separate argument.
+    vector = plgpu.load(vector_ref, window, layout=layout, optimized=False)
+  else:
+    vector = plgpu.load(vector_ref.at[window], layout=layout,
+                        optimized=False)
   return lax.broadcast_in_dim(vector, shape, (axis,))
 
 
