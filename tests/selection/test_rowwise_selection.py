@@ -1,6 +1,6 @@
 """Rowwise-scaled problems through the selection (`Problem.rowwise`, the
 rule `scales_reason`): not served by the Hopper kernels until their row
-and column scales have run on a GPU, so an explicit `pallas` falls back and `auto` runs XLA's GEMM on a Hopper GPU
+and column scales have passed on a GPU, so an explicit `pallas` falls back and `auto` runs XLA's GEMM on a Hopper GPU
 (the portable fallback elsewhere), each with the reason recorded; the same
 problem without row scales takes the kernels (the rule is what decides).
 
@@ -19,7 +19,7 @@ E4M3, BF16, F32 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.bfloat16),
 H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
 CPU = selection.DeviceFacts("cpu", "cpu", 1)
 REASON = ("rowwise fp8 scales: not served by the Hopper kernels yet (their "
-          "row and column scales have not run on a GPU)")
+          "row and column scales have not passed on a GPU)")
 
 
 @pytest.fixture(autouse=True)
