@@ -22,7 +22,14 @@
 #   core         tools/bench_gemm_core.py, one process per shape (its ten, or
 #                $CORE_SHAPES), --rounds 2 ($CORE_ARGS appended), JSON per
 #                shape in OUTDIR/core/, plot OUTDIR/core.png
-# Step timeouts can be set as TIMEOUT_<step>=seconds (core: per shape).
+#   rowwise      rowwise fp8 (row and column scales): tests/gpu's rowwise
+#                files (D = 1 cores and the ops' dispatch), the rings as
+#                virtual ranks (rings_one_gpu.py --only /rowwise/, JSON in
+#                OUTDIR/rowwise_rings.json), and the fp8 cores per shape as
+#                `core` does, per-tensor and rowwise, ours and XLA's
+#                (--rowwise, the eight fp8 arms; OUTDIR/rowwise_core/)
+# Step timeouts can be set as TIMEOUT_<step>=seconds (core, rowwise_core:
+# per shape; rowwise_tests, rowwise_rings: the rowwise step's parts).
 set -u
 out=${1:?usage: gpu_check.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
@@ -46,6 +53,21 @@ run_step() {  # name, default timeout, command...
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s (limit ${limit}s)"
   return $rc
+}
+
+core_per_shape() {  # folder, bench_gemm_core.py arguments...
+  local folder=$1; shift
+  mkdir -p "$out/$folder"
+  local shapes shape name
+  read -r -a shapes <<< "${CORE_SHAPES:-$(python -c \
+    'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.TEN_SHAPES)')}"
+  for shape in "${shapes[@]}"; do
+    name=${folder}_${shape//\//_}
+    run_step "$name" "$(step_timeout "$folder" 90)" \
+      python tools/bench_gemm_core.py --rounds 2 --skip-upstream \
+      --shapes "$shape" --out "$out/$folder/$name.json" "$@"
+    grep -h "medians" "$out/$name.log" || true  # None with --plan.
+  done
 }
 
 for step in "$@"; do
@@ -95,19 +117,23 @@ for step in "$@"; do
         --out "$out/rings.json" "${rings_args[@]}"
       tail -3 "$out/rings.log";;
     core)
-      mkdir -p "$out/core"
-      read -r -a shapes <<< "${CORE_SHAPES:-$(python -c \
-        'import sys; sys.path.insert(0, "tools"); import bench_gemm_core; print(*bench_gemm_core.TEN_SHAPES)')}"
-      for shape in "${shapes[@]}"; do
-        name=core_${shape//\//_}
-        run_step "$name" "$(step_timeout core 90)" \
-          python tools/bench_gemm_core.py --rounds 2 --skip-upstream \
-          --shapes "$shape" --out "$out/core/$name.json" "${core_args[@]}"
-        grep -h "medians" "$out/$name.log"
-      done
+      core_per_shape core "${core_args[@]}"
       if compgen -G "$out/core/*.json" > /dev/null; then  # Not with --plan.
         python tools/plot_gemm_core.py "$out"/core/*.json "$out/core.png"
       fi;;
+    rowwise)
+      run_step rowwise_tests 300 python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_rowwise_kernels_gpu.py \
+        tests/gpu/test_rowwise_dispatch_gpu.py
+      tail -1 "$out/rowwise_tests.log"
+      limit=$(step_timeout rowwise_rings 300)
+      run_step rowwise_rings "$limit" python tools/rings_one_gpu.py \
+        --hang-s 20 --budget-s $((limit > 120 ? limit - 60 : limit / 2)) \
+        --only /rowwise/ --out "$out/rowwise_rings.json" "${rings_args[@]}"
+      tail -3 "$out/rowwise_rings.log"
+      core_per_shape rowwise_core --rowwise --only cublas_fp8 cublas_fp8_rs \
+        ours_fp8 ours_fp8_rs cublas_fp8_rowwise cublas_fp8_rs_rowwise \
+        ours_fp8_rowwise ours_fp8_rs_rowwise "${core_args[@]}";;
     *)
       echo "unknown step '$step' (see the header of $0)"; exit 2;;
   esac

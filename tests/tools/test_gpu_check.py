@@ -46,6 +46,23 @@ def test_the_one_gpu_steps_run_their_tools(tmp_path):
   assert "2048/4096/4096 ours_ag" in core_log and "plan:" in core_log
 
 
+def test_the_rowwise_step_runs_its_tests_and_tools(tmp_path):
+  """The GPU tests skip here (no Hopper GPU); the rings' case and the
+  eight fp8 arms are planned."""
+  result = _run(tmp_path, "rowwise", CORE_SHAPES="2048/4096/4096",
+                CORE_ARGS="--plan",
+                RINGS_ARGS="--plan --only all_gather/rowwise/rows/d2")
+  assert result.returncode == 0, result.stdout + result.stderr
+  for step in ("rowwise_tests", "rowwise_rings",
+               "rowwise_core_2048_4096_4096"):
+    assert f"== {step} rc=0" in result.stdout, result.stdout
+  assert "skipped" in (tmp_path / "rowwise_tests.log").read_text()
+  assert "planned 1 cases" in (tmp_path / "rowwise_rings.log").read_text()
+  core_log = (tmp_path / "rowwise_core_2048_4096_4096.log").read_text()
+  assert "2048/4096/4096 ours_fp8_rowwise" in core_log, core_log
+  assert "2048/4096/4096 ours_ag " not in core_log, core_log
+
+
 INSTALLED = os.path.join(REPO_ROOT, "tools", "gpu_installed_setup.sh")
 
 
