@@ -4,7 +4,7 @@ the weight K-major (`[n, k]`), a per-tensor f32 scale, bf16 results.
 - Traced with every JAX (the kernels' Python, validation and shapes), at
   D = 1 and 2. JAX 0.10's wgmma takes one dtype: there the kernels refuse
   e5m2 x e4m3 up front, naming the JAX version.
-- Lowered for CUDA at D = 1 and 2 (JAX >= 0.12): the rings cannot run on
+- Lowered for CUDA at D = 1 and 2 (JAX >= 0.11): the rings cannot run on
   the one GPU lent, so lowering is what checks them before a GPU does.
 - Run in Mosaic GPU's interpret mode at D = 1 (JAX >= 0.12, which
   interprets fp8 wgmma), against an f32 product of the same fp8 values.

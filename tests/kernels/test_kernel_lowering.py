@@ -1,8 +1,8 @@
 """The Hopper kernels lowered for CUDA on a machine without a GPU.
 
-With JAX >= 0.12 Pallas lowers a Mosaic GPU kernel to its MLIR (layout
+With JAX >= 0.11 Pallas lowers a Mosaic GPU kernel to its MLIR (layout
 inference, barriers, TMA descriptors) without a GPU, so CI's Python 3.12
-stage catches what tracing alone cannot (an unsupported op, a layout Mosaic
+stages (JAX 0.12, and the GPU image's 0.11.2) catch what tracing alone cannot (an unsupported op, a layout Mosaic
 cannot infer) before a GPU run. JAX 0.10 fails layout inference off GPU for
 every config ("Failed to infer a possible set of layouts"), so the Python
 3.11 suite skips this file; the GPU machine runs 0.11, where tests/gpu

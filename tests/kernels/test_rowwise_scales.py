@@ -9,9 +9,10 @@ before the cast: `(a @ b) * scale * row[:, None] * col[None, :]`.
 - Traced with every JAX, at D = 1 and 2, for the devices' and the virtual
   ranks' entry points; the all-gather's row scales are gathered once,
   before the kernel (`all_gather_matmul_kernel._launch` says why).
-- Lowered for CUDA (JAX >= 0.12) with row, column and both scales, for
-  each kind of schedule: dedicated senders, chained tiles, ping-pong
-  warpgroups, one-slot 64 x 256 tiles.
+- Lowered for CUDA (JAX >= 0.11; CI on 0.12 and on the GPU image's
+  0.11.2, whose Mosaic GPU lowers the scale load differently) with row,
+  column and both scales, for each kind of schedule: dedicated senders,
+  chained tiles, ping-pong warpgroups, one-slot 64 x 256 tiles.
 - Interpreted at D = 1 (JAX >= 0.12), fp8 and bf16, against a float64
   reference, outputs poisoned (the interpreter leaves unwritten memory
   NaN), scales random and non-uniform; two mis-indexed epilogues (row
