@@ -96,11 +96,18 @@ def fresh_interpreter():
 @pytest.fixture(autouse=True)
 def _clean_plugin_state():
   """Every test starts with an empty decision record and no configuration
-  set in code (so the default, or parsed flags, apply)."""
+  set in code (so the default, or parsed flags, apply), and leaves absl's
+  flags unparsed if it found them so: `get_config` reads parsed flags, and
+  a library that parses them in passing (JAX's `parse_flags_with_absl`)
+  would otherwise change what later tests see, by the order they run in."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
   import collective_matmul as cm  # pylint: disable=g-import-not-at-top
   cm.clear_decisions()
   cm.set_config(None)
+  parsed = flags.FLAGS.is_parsed()
   yield
+  if flags.FLAGS.is_parsed() and not parsed:
+    flags.FLAGS.unparse_flags()
   cm.set_config(None)
   cm.clear_decisions()
 
