@@ -458,11 +458,11 @@ def _broadcast_scales(vector_ref, first, shape, axis):
   thread loads the entries of its own rows or columns: 2 rows of every
   64 (`tile_m / 32` scales), 2 columns of every 8 (`tile_n / 4`).
 
-  The load is a plain one (`optimized=False`: one scalar load per
-  register, no vectorised transfer plan): JAX 0.11's Mosaic GPU plans
-  optimized transfers for shared memory only and refuses one from global
-  memory ("Only optimized transfers to SMEM supported"); JAX 0.12 plans
-  both. A thread's few scales make the plan immaterial."""
+  The load is a plain one (`optimized=False`: each thread loads its
+  registers' vectors in the layout's order, with no transfer plan): JAX
+  0.11's Mosaic GPU plans optimized transfers for shared memory only and
+  refuses one from global memory ("Only optimized transfers to SMEM
+  supported"); JAX 0.12 plans both."""
   layout = plgpu.Layout.WGMMA.reduce(1 - axis)
   window = pl.ds(first, shape[axis])
   if _LOAD_NEEDS_INDEX:  # JAX 0.10: the index is a separate argument.
