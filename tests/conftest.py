@@ -98,7 +98,7 @@ def _clean_plugin_state():
   """Every test starts with an empty decision record and no configuration
   set in code (so the default, or parsed flags, apply), and leaves absl's
   flags unparsed if it found them so: `get_config` reads parsed flags, and
-  a library that parses them in passing (JAX's `parse_flags_with_absl`)
+  a test that parses them in passing (one of tests/integrations did)
   would otherwise change what later tests see, by the order they run in."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   import collective_matmul as cm  # pylint: disable=g-import-not-at-top
