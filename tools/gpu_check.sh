@@ -22,12 +22,14 @@
 #   core         tools/bench_gemm_core.py, one process per shape (its ten, or
 #                $CORE_SHAPES), --rounds 2 ($CORE_ARGS appended), JSON per
 #                shape in OUTDIR/core/, plot OUTDIR/core.png
-#   rowwise      rowwise fp8 (row and column scales): tests/gpu's rowwise
-#                files (D = 1 cores and the ops' dispatch), the rings as
-#                virtual ranks (rings_one_gpu.py --only /rowwise/, JSON in
-#                OUTDIR/rowwise_rings.json), and the fp8 cores per shape as
-#                `core` does, per-tensor and rowwise, ours and XLA's
-#                (--rowwise, the eight fp8 arms; OUTDIR/rowwise_core/)
+#   rowwise      rowwise fp8 (row and column scales): its three parts in
+#                turn, each also a step of its own:
+#   rowwise_tests  tests/gpu's rowwise files (D = 1 cores, the ops' dispatch)
+#   rowwise_rings  the rings as virtual ranks (rings_one_gpu.py --only
+#                /rowwise/, JSON in OUTDIR/rowwise_rings.json)
+#   rowwise_core the fp8 cores per shape as `core` does, per-tensor and
+#                rowwise, ours and XLA's (--rowwise, the eight fp8 arms;
+#                OUTDIR/rowwise_core/)
 # Step timeouts can be set as TIMEOUT_<step>=seconds (core, rowwise_core:
 # per shape; rowwise_tests, rowwise_rings: the rowwise step's parts).
 set -u
@@ -121,19 +123,22 @@ for step in "$@"; do
       if compgen -G "$out/core/*.json" > /dev/null; then  # Not with --plan.
         python tools/plot_gemm_core.py "$out"/core/*.json "$out/core.png"
       fi;;
-    rowwise)
+    rowwise|rowwise_tests)
       run_step rowwise_tests 300 python -m pytest -q -p no:cacheprovider \
         tests/gpu/test_rowwise_kernels_gpu.py \
         tests/gpu/test_rowwise_dispatch_gpu.py
-      tail -1 "$out/rowwise_tests.log"
+      tail -1 "$out/rowwise_tests.log";;&
+    rowwise|rowwise_rings)
       limit=$(step_timeout rowwise_rings 300)
       run_step rowwise_rings "$limit" python tools/rings_one_gpu.py \
         --hang-s 20 --budget-s $((limit > 120 ? limit - 60 : limit / 2)) \
         --only /rowwise/ --out "$out/rowwise_rings.json" "${rings_args[@]}"
-      tail -3 "$out/rowwise_rings.log"
+      tail -3 "$out/rowwise_rings.log";;&
+    rowwise|rowwise_core)
       core_per_shape rowwise_core --rowwise --only cublas_fp8 cublas_fp8_rs \
         ours_fp8 ours_fp8_rs cublas_fp8_rowwise cublas_fp8_rs_rowwise \
         ours_fp8_rowwise ours_fp8_rs_rowwise "${core_args[@]}";;
+    rowwise_*) ;;
     *)
       echo "unknown step '$step' (see the header of $0)"; exit 2;;
   esac
