@@ -166,6 +166,25 @@ INTERPRET_TILES = dict(tile_m=64, tile_n=64, wg_dimension="m", epi_tile_m=64,
                        epi_tile_n=64, max_concurrent_steps=2)
 
 
+def rowwise_plan(collective, shape, axis, out_dtype, **tiles):
+  """A `pallas` plan for an fp8 op with row and column scales at D = 1
+  (tests/ops/test_rowwise_dispatch_interpret.py, tests/gpu/
+  test_rowwise_dispatch_gpu.py): the collective's kernel config with fp8's
+  tile_k and `tiles`, as many pipeline stages as fit a block's shared
+  memory beside `out_dtype`'s epilogue, the weight K-major."""
+  from collective_matmul import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from collective_matmul.enums import Collective  # pylint: disable=g-import-not-at-top
+  from collective_matmul.kernels import configs  # pylint: disable=g-import-not-at-top
+  config_type = (configs.AllGatherConfig if collective == "all_gather"
+                 else configs.ReduceScatterConfig)
+  config = config_type(tile_k=configs.FP8_TILE_K, **tiles).fit_shared_memory(
+      1, jnp.dtype(out_dtype).itemsize)
+  return plan_lib.KernelPlan(
+      "pallas", "ring", config=config, weight_layout="nk").for_rows(
+          *plan_lib.kernel_rows(Collective.parse(collective, "collective"),
+                                shape, axis, 1))
+
+
 def normal(key, shape, dtype):
   return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
 

@@ -9,7 +9,8 @@ without its row scales is far off.
 
 The kernels are reached through an explicit `pallas` plan, as the CPU test
 of the same dispatch in interpret mode (tests/ops/
-test_rowwise_dispatch_interpret.py); `selection.scales_reason` decides
+test_rowwise_dispatch_interpret.py, which also lowers this file's plans
+for CUDA); `selection.scales_reason` decides
 whether `auto` and `pallas` choose them (tests/selection/
 test_rowwise_selection.py).
 
@@ -26,10 +27,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul as cm
-from collective_matmul import plan as plan_lib
-from collective_matmul.enums import Collective
-from collective_matmul.kernels import configs
 
+from cm_test_utils import rowwise_plan
 from gpu_env import poison
 from gpu_env import rel_error
 from gpu_env import ring_mesh
@@ -54,12 +53,7 @@ def test_rowwise_op_runs_the_kernel_with_the_ops_scales(
   w = jax.random.normal(keys[1], (shape[-1], n), jnp.float32).astype(E4M3)
   row = jax.random.uniform(keys[2], shape[:-1], jnp.float32, 0.25, 4.0)
   col = jax.random.uniform(keys[3], (n,), jnp.float32, 0.25, 4.0)
-  config_type = (configs.AllGatherConfig if collective == "all_gather"
-                 else configs.ReduceScatterConfig)
-  plan = plan_lib.KernelPlan(
-      "pallas", "ring", config=config_type(tile_k=128),
-      weight_layout="nk").for_rows(*plan_lib.kernel_rows(
-          Collective.parse(collective, "collective"), shape, axis, 1))
+  plan = rowwise_plan(collective, shape, axis, out_dtype)
   op = (cm.all_gather_matmul if collective == "all_gather"
         else cm.matmul_reduce_scatter)
   axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"

@@ -1,12 +1,17 @@
 """The dispatch hands the Hopper kernels the ops' row and column scales in
 their layout (the rows as the kernel sees them, also with the split
 dimension moved first; the fp8 weight K-major): a `pallas` plan given to the
-op, run in Mosaic GPU's interpret mode on CPU at D = 1, equals the ring.
+op, run in Mosaic GPU's interpret mode on CPU at D = 1, equals the ring. And
+the GPU test of this dispatch (tests/gpu/test_rowwise_dispatch_gpu.py) at
+its shapes, tiles and result dtypes lowers for CUDA: its f32 results once
+asked for a config needing more shared memory than a block has, which only
+the GPU run found.
 
 Skipped where the kernels take no `row_scale` (a tree before issue 55's
 kernel half, whose test helpers for the interpreter this file uses) or JAX
 has no interpret mode (< 0.12)."""
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +21,7 @@ import pytest
 
 import collective_matmul as cm
 from collective_matmul import kernels
-from collective_matmul import plan as plan_lib
-from collective_matmul.enums import Collective
-from collective_matmul.kernels import configs
-from cm_test_utils import mesh_1d, normal
+from cm_test_utils import mesh_1d, normal, rowwise_plan
 
 if "row_scale" not in inspect.signature(
     kernels.all_gather_lhs_matmul).parameters:
@@ -28,7 +30,7 @@ if "row_scale" not in inspect.signature(
 from cm_test_utils import INTERPRET_TILES, needs_interpret_mode  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-E4M3 = jnp.float8_e4m3fn
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 pytestmark = [needs_interpret_mode(),
               pytest.mark.usefixtures("fresh_interpreter")]
 
@@ -42,12 +44,8 @@ def test_a_pallas_plan_with_row_and_column_scales_is_the_ring_s_product(
   w = normal(keys(), (256, 128), jnp.float32).astype(E4M3)
   row = jax.random.uniform(keys(), shape[:-1], jnp.float32, 0.25, 4.0)
   col = jax.random.uniform(keys(), (128,), jnp.float32, 0.25, 4.0)
-  config_type = (configs.AllGatherConfig if collective == "all_gather"
-                 else configs.ReduceScatterConfig)
-  plan = plan_lib.KernelPlan(
-      "pallas", "ring", config=config_type(tile_k=128, **INTERPRET_TILES),
-      weight_layout="nk").for_rows(*plan_lib.kernel_rows(
-          Collective.parse(collective, "collective"), shape, axis, 1))
+  plan = rowwise_plan(collective, shape, axis, jnp.float32,
+                      **INTERPRET_TILES)
   op = (cm.all_gather_matmul if collective == "all_gather"
         else cm.matmul_reduce_scatter)
   axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
@@ -68,3 +66,31 @@ def test_a_pallas_plan_with_row_and_column_scales_is_the_ring_s_product(
   # The positive control: without its row scales the product is far off.
   unscaled = want / np.asarray(row)[..., None]
   assert np.abs(got - unscaled).max() > 0.1 * np.abs(unscaled).max()
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32],
+                         ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape,axis", [((1024, 2048), 0),
+                                        ((2, 512, 2048), 1)],
+                         ids=["rows", "batch_of_rows"])
+@pytest.mark.parametrize("collective,lhs_dtype",
+                         [("all_gather", E4M3), ("reduce_scatter", E5M2)])
+def test_the_gpu_test_s_plans_lower_for_cuda(collective, lhs_dtype, shape,
+                                             axis, out_dtype):
+  n = 1024
+  op = (cm.all_gather_matmul if collective == "all_gather"
+        else cm.matmul_reduce_scatter)
+  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
+  plan = rowwise_plan(collective, shape, axis, out_dtype)
+  f = jax.jit(jax.shard_map(
+      lambda x, w, r, c: op(x, w, "x", preferred_element_type=out_dtype,
+                            row_scale=r, col_scale=c, plan=plan,
+                            **{axis_arg: axis}),
+      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+  args = [jax.ShapeDtypeStruct(shape, lhs_dtype),
+          jax.ShapeDtypeStruct((shape[-1], n), E4M3),
+          jax.ShapeDtypeStruct(shape[:-1], jnp.float32),
+          jax.ShapeDtypeStruct((n,), jnp.float32)]
+  with jax.set_mesh(mesh_1d(1)):
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"@mosaic_gpu", text)) == 1
