@@ -138,10 +138,9 @@ _PLAN_ARGS_DOC = """
       column, a NaN makes it NaN). The all-gather carries each shard's row
       scales with its rows; for the matmul + reduce-scatter both are the
       same on every device (one typed as varying over the axis is
-      refused). Not served by the Hopper kernels yet
-      (`selection.scales_reason`): `pallas` refuses them, `auto` runs
-      XLA's GEMM on Hopper. Differentiable
-      in x and w (their gradients scaled correspondingly); the scales are
+      refused). The Hopper kernels apply them in their epilogue with fp8
+      operands; with others (`selection.scales_reason`) `pallas` refuses
+      them and `auto` runs XLA's GEMM on Hopper. Differentiable in x and w (their gradients scaled correspondingly); the scales are
       constants of differentiation (zero gradient, no tangent), as Qwix's
       `dot_general_qt` treats its scales."""
 

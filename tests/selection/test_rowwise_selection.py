@@ -1,8 +1,9 @@
 """Rowwise-scaled problems through the selection (`Problem.rowwise`, the
-rule `scales_reason`): not served by the Hopper kernels until their row
-and column scales have passed on a GPU, so an explicit `pallas` falls back and `auto` runs XLA's GEMM on a Hopper GPU
-(the portable fallback elsewhere), each with the reason recorded; the same
-problem without row scales takes the kernels (the rule is what decides).
+rule `scales_reason`): with fp8 operands, the pairs whose row and column
+scales passed on a GPU, `auto` and `pallas` take the Hopper kernels as for
+per-tensor fp8; with bf16 operands an explicit `pallas` falls back and
+`auto` runs XLA's GEMM on a Hopper GPU (the portable fallback elsewhere),
+each with the reason recorded.
 
 Decisions only: nothing runs on the Hopper GPU described here.
 """
@@ -18,8 +19,8 @@ E4M3, BF16, F32 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.bfloat16),
                    np.dtype(jnp.float32))
 H200 = selection.DeviceFacts("gpu", "NVIDIA H200", 132)
 CPU = selection.DeviceFacts("cpu", "cpu", 1)
-REASON = ("rowwise fp8 scales: not served by the Hopper kernels yet (their "
-          "row and column scales have not passed on a GPU)")
+REASON = ("row and column scales with non-fp8 operands: not served by the "
+          "Hopper kernels (they have run on a GPU with fp8 operands only)")
 
 
 @pytest.fixture(autouse=True)
@@ -35,27 +36,34 @@ def _problem(dtype, out, rowwise):
                            rowwise=rowwise)
 
 
+@pytest.mark.parametrize("requested", ["auto", "pallas"])
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-@pytest.mark.parametrize("dtype,out", [(E4M3, F32), (E4M3, BF16),
-                                       (BF16, None)], ids=str)
-def test_pallas_falls_back_to_xla_on_hopper_with_the_reason(collective,
-                                                            dtype, out):
-  plan = selection.choose("pallas", collective, _problem(dtype, out, True),
+@pytest.mark.parametrize("out", [F32, BF16], ids=str)
+def test_fp8_rowwise_takes_the_kernels_on_hopper_as_per_tensor(
+    requested, collective, out):
+  rowwise = selection.choose(requested, collective,
+                             _problem(E4M3, out, True), H200)
+  per_tensor = selection.choose(requested, collective,
+                                _problem(E4M3, out, False), H200)
+  assert rowwise.impl == per_tensor.impl == Impl.PALLAS
+  assert not rowwise.is_fallback
+  assert rowwise.config == per_tensor.config
+  assert rowwise.dtypes.endswith(" rowwise")
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_bf16_rowwise_falls_back_to_xla_on_hopper_with_the_reason(
+    collective):
+  plan = selection.choose("pallas", collective, _problem(BF16, None, True),
                           H200)
   assert (plan.impl, plan.backward_impl) == (Impl.BASELINE, Impl.BASELINE)
   assert plan.is_fallback and REASON in plan.reason
-
-
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_auto_runs_xla_on_hopper_and_the_kernel_without_row_scales(
-    collective):
-  rowwise = selection.choose("auto", collective, _problem(E4M3, F32, True),
-                             H200)
-  assert rowwise.impl == Impl.BASELINE and not rowwise.is_fallback
-  assert REASON in rowwise.reason
-  per_tensor = selection.choose("auto", collective,
-                                _problem(E4M3, F32, False), H200)
-  assert per_tensor.impl == Impl.PALLAS
+  auto = selection.choose("auto", collective, _problem(BF16, None, True),
+                          H200)
+  assert auto.impl == Impl.BASELINE and not auto.is_fallback
+  assert REASON in auto.reason
+  assert selection.choose("auto", collective, _problem(BF16, None, False),
+                          H200).impl == Impl.PALLAS
 
 
 def test_off_hopper_auto_runs_the_configured_fallback():
@@ -74,5 +82,6 @@ def test_the_plan_names_rowwise_forward_and_backward():
 
 
 def test_the_rule_is_one_place():
-  assert selection.scales_reason(_problem(E4M3, F32, True)) == REASON
-  assert selection.scales_reason(_problem(E4M3, F32, False)) is None
+  assert selection.scales_reason(_problem(BF16, None, True)) == REASON
+  assert selection.scales_reason(_problem(BF16, None, False)) is None
+  assert selection.scales_reason(_problem(E4M3, F32, True)) is None

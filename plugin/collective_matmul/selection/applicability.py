@@ -92,15 +92,15 @@ def operand_reason(problem: Problem) -> str | None:
 
 
 def scales_reason(problem: Problem) -> str | None:
-  """Why the kernels may not apply `problem`'s scales, or None: a rowwise
-  problem (row and column scales) stays off them until their row and
-  column scales have passed on a GPU (the one run so far, on JAX 0.11.2,
-  failed to lower their scale loads, since mended and lowered on CPU; the
-  dispatch already hands them `row_scale` / `col_scale`: this is the one
-  rule to change)."""
-  if problem.rowwise:
-    return ("rowwise fp8 scales: not served by the Hopper kernels yet "
-            "(their row and column scales have not passed on a GPU)")
+  """Why the kernels may not apply `problem`'s scales, or None: row and
+  column scales (rowwise) are served with fp8 operands, the pairs the
+  kernels ran with them on a GPU (e4m3 x e4m3, e5m2 x e4m3:
+  benchmarks/rowwise_one_gpu/); with other operands they have run only in
+  Mosaic GPU's interpret mode."""
+  if problem.rowwise and not problem.is_fp8:
+    return ("row and column scales with non-fp8 operands: not served by "
+            "the Hopper kernels (they have run on a GPU with fp8 operands "
+            "only)")
   return None
 
 
