@@ -8,6 +8,7 @@ checkpoint and export; and a bypass of the scales caught. Python 3.12 (Qwix
 is MaxText's)."""
 import contextlib
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -253,3 +254,45 @@ def test_configs_it_does_not_serve_are_refused_naming_why(change, match,
   assert match in qwix_fp8.unserved_reason(config, lhs, rhs, DIMS)
   with _on(mesh), pytest.raises(ValueError, match=match):
     _ours(config, axes)(lhs, rhs)
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12),
+    reason="Mosaic GPU lowers off GPU from JAX 0.12 on")
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_on_hopper_auto_runs_the_rowwise_kernels(mode, pattern, monkeypatch):
+  """On devices described as H200s (lowered for CUDA, nothing runs), at
+  sizes the kernels win: the forward and the activations' gradient (dgrad)
+  of the three e4m3 modes through the fp8 kernels with Qwix's row and
+  column scales (fp8_full's dgrad e5m2 x e4m3), the weight's gradient
+  Qwix's own; fp8_e5m2's e5m2 weight, which the kernels do not take, XLA's
+  GEMM, the reason recorded."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  monkeypatch.setattr(cm.selection, "device_facts",
+                      lambda mesh=None: cm.selection.DeviceFacts(
+                          "gpu", "NVIDIA H200", 132, 1, 8))
+  mesh = mesh_1d(D, AxisType.Auto)
+  (k, n), lhs_spec, rhs_spec, axes = PATTERNS[pattern]
+  grow = 64  # local 2048 x 4096 x 2048 (all-gather's), 32 x 16 tiles.
+  lhs = jax.ShapeDtypeStruct((B, D * S * grow, k * grow), jnp.float32,
+                             sharding=NamedSharding(mesh, lhs_spec))
+  rhs = jax.ShapeDtypeStruct((k * grow, n * grow), jnp.float32,
+                             sharding=NamedSharding(mesh, rhs_spec))
+  f = _ours(MODES[mode], axes)
+  with _on(mesh, enabled=True, impl="auto"):
+    text = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b)),
+                                      (0, 1))).trace(lhs, rhs).lower(
+                                          lowering_platforms=("cuda",)
+                                      ).as_text()
+  decisions = [d for d in cm.decisions() if d.rewritten]
+  assert len(decisions) == 2  # The forward and the dgrad.
+  assert all(d.dtype.endswith(" rowwise") for d in decisions)
+  kernels = len(re.findall(r"custom_call @mosaic_gpu", text))
+  if mode == "fp8_e5m2":
+    assert kernels == 0
+    assert all(d.what_runs().startswith("baseline") and "float8_e5m2 x "
+               "float8_e5m2" in str(d) for d in decisions)
+  else:
+    assert kernels == 2
+    assert all(d.what_runs().startswith("pallas") for d in decisions)
