@@ -185,6 +185,36 @@ def rowwise_plan(collective, shape, axis, out_dtype, **tiles):
                                 shape, axis, 1))
 
 
+def rowwise_op(collective, axis, out_dtype, **how):
+  """The op with row and column scales at D = 1, jitted, over `x, w,
+  row_scale, col_scale` (each whole on the one device); `how`: `plan=` or
+  `impl=`."""
+  import collective_matmul as cm  # pylint: disable=g-import-not-at-top
+  op, axis_arg = ((cm.all_gather_matmul, "gather_axis")
+                  if collective == "all_gather"
+                  else (cm.matmul_reduce_scatter, "scatter_axis"))
+  return jax.jit(jax.shard_map(
+      lambda x, w, r, c: op(x, w, "x", preferred_element_type=out_dtype,
+                            row_scale=r, col_scale=c, **{axis_arg: axis},
+                            **how),
+      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+
+
+# The rowwise dispatch's cases on a GPU (tests/gpu/
+# test_rowwise_dispatch_gpu.py), whose plans tests/ops/
+# test_rowwise_dispatch_interpret.py lowers on CPU: the collective and its
+# lhs dtype, the local x's shape and its rows' axis, the result dtype.
+ROWWISE_DISPATCH_CASES = pytest.mark.parametrize(
+    "collective,lhs_dtype,shape,axis,out_dtype",
+    [pytest.param(collective, lhs, shape, axis, out,
+                  id=f"{collective}-{rows}-{jnp.dtype(out).name}")
+     for collective, lhs in (("all_gather", jnp.float8_e4m3fn),
+                             ("reduce_scatter", jnp.float8_e5m2))
+     for rows, shape, axis in (("rows", (1024, 2048), 0),
+                               ("batch_of_rows", (2, 512, 2048), 1))
+     for out in (jnp.bfloat16, jnp.float32)])
+
+
 def normal(key, shape, dtype):
   return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
 

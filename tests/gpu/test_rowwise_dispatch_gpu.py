@@ -23,28 +23,20 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from jax.sharding import PartitionSpec as P
 
-import collective_matmul as cm
-
+from cm_test_utils import ROWWISE_DISPATCH_CASES
+from cm_test_utils import rowwise_op
 from cm_test_utils import rowwise_plan
 from gpu_env import poison
 from gpu_env import rel_error
 from gpu_env import ring_mesh
 
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+E4M3 = jnp.float8_e4m3fn
 TOLERANCE = 5e-3
 f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float32)
 
 
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32],
-                         ids=["bf16", "f32"])
-@pytest.mark.parametrize("shape,axis", [((1024, 2048), 0),
-                                        ((2, 512, 2048), 1)],
-                         ids=["rows", "batch_of_rows"])
-@pytest.mark.parametrize("collective,lhs_dtype",
-                         [("all_gather", E4M3), ("reduce_scatter", E5M2)])
+@ROWWISE_DISPATCH_CASES
 def test_rowwise_op_runs_the_kernel_with_the_ops_scales(
     collective, lhs_dtype, shape, axis, out_dtype):
   n = 1024
@@ -54,14 +46,7 @@ def test_rowwise_op_runs_the_kernel_with_the_ops_scales(
   row = jax.random.uniform(keys[2], shape[:-1], jnp.float32, 0.25, 4.0)
   col = jax.random.uniform(keys[3], (n,), jnp.float32, 0.25, 4.0)
   plan = rowwise_plan(collective, shape, axis, out_dtype)
-  op = (cm.all_gather_matmul if collective == "all_gather"
-        else cm.matmul_reduce_scatter)
-  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
-  f = jax.jit(jax.shard_map(
-      lambda x, w, r, c: op(x, w, "x", preferred_element_type=out_dtype,
-                            row_scale=r, col_scale=c, plan=plan,
-                            **{axis_arg: axis}),
-      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+  f = rowwise_op(collective, axis, out_dtype, plan=plan)
   with jax.set_mesh(ring_mesh(1)):
     text = f.lower(x, w, row, col).as_text()
     poison(np.prod(shape[:-1]) * n * 4)

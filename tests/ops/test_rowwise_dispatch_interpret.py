@@ -15,13 +15,12 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-import collective_matmul as cm
 from collective_matmul import kernels
-from cm_test_utils import mesh_1d, normal, rowwise_plan
+from cm_test_utils import mesh_1d, normal, rowwise_op, rowwise_plan
+from cm_test_utils import ROWWISE_DISPATCH_CASES  # pylint: disable=g-bad-import-order
 
 if "row_scale" not in inspect.signature(
     kernels.all_gather_lhs_matmul).parameters:
@@ -30,7 +29,7 @@ if "row_scale" not in inspect.signature(
 from cm_test_utils import INTERPRET_TILES, needs_interpret_mode  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+E4M3 = jnp.float8_e4m3fn
 pytestmark = [needs_interpret_mode(),
               pytest.mark.usefixtures("fresh_interpreter")]
 
@@ -46,18 +45,11 @@ def test_a_pallas_plan_with_row_and_column_scales_is_the_ring_s_product(
   col = jax.random.uniform(keys(), (128,), jnp.float32, 0.25, 4.0)
   plan = rowwise_plan(collective, shape, axis, jnp.float32,
                       **INTERPRET_TILES)
-  op = (cm.all_gather_matmul if collective == "all_gather"
-        else cm.matmul_reduce_scatter)
-  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
 
   def run(**how):
     with jax.set_mesh(mesh_1d(1)):
-      return np.asarray(jax.jit(jax.shard_map(
-          lambda x, w, r, c: op(x, w, "x", preferred_element_type=jnp.float32,
-                                row_scale=r, col_scale=c, **{axis_arg: axis},
-                                **how),
-          in_specs=(P(),) * 4, out_specs=P(), check_vma=False))(
-              x, w, row, col))
+      return np.asarray(rowwise_op(collective, axis, jnp.float32, **how)(
+          x, w, row, col))
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     got = run(plan=plan)
   want = run(impl="ring")
@@ -68,25 +60,12 @@ def test_a_pallas_plan_with_row_and_column_scales_is_the_ring_s_product(
   assert np.abs(got - unscaled).max() > 0.1 * np.abs(unscaled).max()
 
 
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32],
-                         ids=["bf16", "f32"])
-@pytest.mark.parametrize("shape,axis", [((1024, 2048), 0),
-                                        ((2, 512, 2048), 1)],
-                         ids=["rows", "batch_of_rows"])
-@pytest.mark.parametrize("collective,lhs_dtype",
-                         [("all_gather", E4M3), ("reduce_scatter", E5M2)])
+@ROWWISE_DISPATCH_CASES
 def test_the_gpu_test_s_plans_lower_for_cuda(collective, lhs_dtype, shape,
                                              axis, out_dtype):
   n = 1024
-  op = (cm.all_gather_matmul if collective == "all_gather"
-        else cm.matmul_reduce_scatter)
-  axis_arg = "gather_axis" if collective == "all_gather" else "scatter_axis"
-  plan = rowwise_plan(collective, shape, axis, out_dtype)
-  f = jax.jit(jax.shard_map(
-      lambda x, w, r, c: op(x, w, "x", preferred_element_type=out_dtype,
-                            row_scale=r, col_scale=c, plan=plan,
-                            **{axis_arg: axis}),
-      in_specs=(P(),) * 4, out_specs=P(), check_vma=False))
+  f = rowwise_op(collective, axis, out_dtype,
+                 plan=rowwise_plan(collective, shape, axis, out_dtype))
   args = [jax.ShapeDtypeStruct(shape, lhs_dtype),
           jax.ShapeDtypeStruct((shape[-1], n), E4M3),
           jax.ShapeDtypeStruct(shape[:-1], jnp.float32),
