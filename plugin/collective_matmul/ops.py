@@ -140,8 +140,9 @@ _PLAN_ARGS_DOC = """
       same on every device (one typed as varying over the axis is
       refused). The Hopper kernels apply them in their epilogue with fp8
       operands; with others (`selection.scales_reason`) `pallas` refuses
-      them and `auto` runs XLA's GEMM on Hopper. Differentiable in x and w (their gradients scaled correspondingly); the scales are
-      constants of differentiation (zero gradient, no tangent), as Qwix's
+      them and `auto` runs XLA's GEMM on Hopper. Differentiable in x and
+      w (their gradients scaled correspondingly); the scales are constants
+      of differentiation (zero gradient, no tangent), as Qwix's
       `dot_general_qt` treats its scales."""
 
 
