@@ -51,13 +51,11 @@ def _quantized_both_ways(v, scale, amax_history):
   return [_exact(q), _exact(rcp)], float(s)
 
 
-def _exact_fp8_products(spec, x, w, state):
+def _exact_fp8_products(spec, quantized_x, quantized_w):
   """The exact scaled products of the fp8 values a jitted program may
-  multiply (each operand quantized either way, above); Flax's first."""
-  q_xs, s_x = _quantized_both_ways(x, state["lhs_scale"],
-                                   state["lhs_amax_history"])
-  q_ws, s_w = _quantized_both_ways(w, state["rhs_scale"],
-                                   state["rhs_amax_history"])
+  multiply (each operand quantized either way: `_quantized_both_ways`);
+  Flax's first."""
+  (q_xs, s_x), (q_ws, s_w) = quantized_x, quantized_w
   assert s_x != 1.0 and s_w != 1.0
   return [np.einsum(spec, q_x, q_w) * s_x * s_w
           for q_x in q_xs for q_w in q_ws]
@@ -336,7 +334,11 @@ def test_fp8_scaled_dot_general_is_flax_s_within_one_rounding(dtype, keys):
   u = BF16_U if dtype == jnp.bfloat16 else 2.0**-24
   # The exact scaled products of the fp8 values Flax multiplies (first) or
   # a jitted program may (an operand rounded on the tie's other side).
-  products = _exact_fp8_products("bsk,kn->bsn", x, w, state)
+  quantized_x = _quantized_both_ways(x, state["lhs_scale"],
+                                     state["lhs_amax_history"])
+  quantized_w = _quantized_both_ways(w, state["rhs_scale"],
+                                     state["rhs_amax_history"])
+  products = _exact_fp8_products("bsk,kn->bsn", quantized_x, quantized_w)
   exact = products[0]
   tiny = 1e-6 * np.max(np.abs(exact))
   np.testing.assert_array_less(_nearest(_exact(y), products),
@@ -352,10 +354,8 @@ def test_fp8_scaled_dot_general_is_flax_s_within_one_rounding(dtype, keys):
   # An operand's element rounded on the tie's other side (above) moves the
   # gradients that multiply it by its change times the cotangent, the
   # cotangent within e5m2's rounding (2^-3) of t; zero where none did.
-  (q_x, q_x_alt), s_x = _quantized_both_ways(x, state["lhs_scale"],
-                                             state["lhs_amax_history"])
-  (q_w, q_w_alt), s_w = _quantized_both_ways(w, state["rhs_scale"],
-                                             state["rhs_amax_history"])
+  (q_x, q_x_alt), s_x = quantized_x
+  (q_w, q_w_alt), s_w = quantized_w
   g = 1.125 * np.abs(np.asarray(t, np.float64))
   tie_dx = np.einsum("bsn,kn->bsk", g, np.abs(q_w_alt - q_w) * s_w)
   tie_dw = np.einsum("bsk,bsn->kn", np.abs(q_x_alt - q_x) * s_x, g)
@@ -440,7 +440,10 @@ def test_fp8_reduce_scatter_sums_partials_rounded_to_bf16_except_the_ring(
             **state))(x, w))
   (decision, _) = [d for d in cm.decisions() if d.rewritten]
   assert decision.collective == "reduce_scatter"
-  products = _exact_fp8_products("bsk,kn->bsn", x, w, state)
+  products = _exact_fp8_products(
+      "bsk,kn->bsn",
+      _quantized_both_ways(x, state["lhs_scale"], state["lhs_amax_history"]),
+      _quantized_both_ways(w, state["rhs_scale"], state["rhs_amax_history"]))
   exact = products[0]
   tiny = 1e-6 * np.max(np.abs(exact))
   np.testing.assert_array_less(_nearest(got["ring"], products),
